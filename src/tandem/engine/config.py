@@ -1,0 +1,61 @@
+"""Engine settings, resolved once (device, dtype, backend) and then frozen.
+
+Values measured at start-up (the number of KV blocks) live in `KVCacheSpec`, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto | dummy
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes for the KV cache
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def resolved(self) -> EngineConfig:
+        """Replace every "auto" by what it means on this machine, and check the values."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else "bfloat16"
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, not {dtype!r}")
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "torch" if device == "cpu" else "triton"
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        return replace(self, device=device, dtype=dtype, attention_backend=backend)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

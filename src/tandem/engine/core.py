@@ -1,0 +1,100 @@
+"""The engine core: model, KV cache, scheduler and runner in one step loop, token ids only.
+
+    step():  schedule -> run the model (and the connector's loads/saves) -> update requests
+
+Tokenization, detokenization and stop strings belong to the front end (`LLM` offline, the HTTP
+server online), which talks to this core in the same process or through `EngineCoreProcess`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import torch
+
+from tandem.attention.base import get_backend
+from tandem.engine.config import EngineConfig
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.outputs import EngineCoreOutput
+from tandem.engine.request import Request
+from tandem.engine.runner import ModelRunner, plan_kv_cache
+from tandem.engine.sampler import Sampler
+from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.kv.base import KVConnector, NoKVConnector
+from tandem.models.loader import load_model, resolve_model
+
+logger = logging.getLogger(__name__)
+
+ConnectorFactory = Callable[["EngineCore"], KVConnector]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector_factory: ConnectorFactory | None = None,
+    ) -> None:
+        self.config = config = config.resolved()
+        self.device = torch.device(config.device)
+        self.source = resolve_model(config.model)
+        self.model_config = self.source.config
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        backend = get_backend(config.attention_backend)
+        self.model = load_model(
+            self.source,
+            backend,
+            config.torch_dtype,
+            self.device,
+            config.load_format,
+            config.seed,
+        )
+        self.kv_spec = plan_kv_cache(config, self.model_config, self.model)
+        self.kv_manager = KVCacheManager(
+            self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.connector = connector_factory(self) if connector_factory else NoKVConnector()
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting),
+            self.kv_manager,
+            self.connector,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_spec,
+            self.device,
+            Sampler(self.model_config.eos_token_ids, config.seed),
+            self.connector,
+        )
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+            config.model,
+            config.device,
+            config.dtype,
+            self.kv_spec.num_blocks,
+            config.block_size,
+        )
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.model_config.eos_token_ids)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()

@@ -1,0 +1,75 @@
+"""The plain dataclasses the scheduler, the model runner and the engine core exchange.
+
+The scheduler never sees a tensor and the runner never sees a `Request`: each step the scheduler
+says what to compute (`SchedulerOutput`), the runner says what it sampled (`RunnerOutput`), and the
+engine core reports per-request progress to its client (`EngineCoreOutput`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_position: int  # position of token_ids[0] == tokens already in the cache
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # this step reaches the request's last token: sample the next one
+    sampling_params: SamplingParams
+    output_index: int  # index of the token to be sampled among the request's outputs
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    num_batched_tokens: int
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class KVConnectorOutput:
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: dict[str, str] = field(default_factory=dict)  # request id -> failure kind
+    finished_sending: set[str] = field(default_factory=set)
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

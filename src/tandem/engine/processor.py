@@ -1,0 +1,189 @@
+"""The front end's two halves, shared by the offline `LLM` and the HTTP server.
+
+InputProcessor: prompt text, token ids or chat messages -> validated engine `Request`s
+(one per sample when n > 1, with ids `{request_id}-{index}`).
+OutputProcessor: the engine core's token ids -> per-sequence text deltas, finish reasons and
+logprobs; it reports which requests a stop string ended so the caller can abort them in the core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.detokenizer import TextState
+from tandem.engine.outputs import EngineCoreOutput, TokenLogprobs
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{request_id}-{index}"
+
+
+class InputProcessor:
+    def __init__(
+        self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: frozenset[int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids | (
+            {tokenizer.eos_token_id}
+            if tokenizer is not None and tokenizer.eos_token_id is not None
+            else set()
+        )
+
+    def _require_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send the prompt as a list of token ids")
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; send at least one token")
+            self._require_tokenizer()
+            return list(self.tokenizer(prompt).input_ids)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return token_ids
+
+    def render_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
+        self._require_tokenizer()
+        if not messages:
+            raise ValueError("messages is empty; send at least one message")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+
+    def tokenize_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        text = self.render_chat(messages, **template_kwargs)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> list[Request]:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but the context length is "
+                f"{self.max_model_len}; shorten the prompt"
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the context length of {self.max_model_len}; lower max_tokens or shorten the "
+                "prompt"
+            )
+        requests = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = params.with_updates(n=1, seed=seed)
+            requests.append(
+                Request(
+                    child_request_id(request_id, index),
+                    list(prompt_token_ids),
+                    child_params,
+                    eos_token_ids=self.eos_token_ids,
+                    max_total_tokens=self.max_model_len,
+                    kv_transfer_params=kv_transfer_params,
+                )
+            )
+        return requests
+
+
+@dataclass
+class SequenceDelta:
+    """What one output sequence gained in one step."""
+
+    request_id: str  # the parent request's id
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass
+class SequenceState:
+    request_id: str
+    index: int
+    text: TextState
+    wants_logprobs: bool
+    token_ids: list[int] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, SequenceState] = {}
+
+    def add(self, request_id: str, request: Request, index: int) -> None:
+        params = request.sampling_params
+        self.states[request.request_id] = SequenceState(
+            request_id,
+            index,
+            TextState(self.tokenizer, request.prompt_token_ids, params),
+            params.logprobs is not None,
+        )
+
+    def discard(self, child_id: str) -> None:
+        self.states.pop(child_id, None)
+
+    def process(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[SequenceDelta], list[str]]:
+        """Deltas for the outputs, and the child ids a stop string finished (abort them)."""
+        deltas, stopped = [], []
+        for output in outputs:
+            state = self.states.get(output.request_id)
+            if state is None:
+                continue
+            finish_reason, stop_reason = output.finish_reason, output.stop_reason
+            for position, token_id in enumerate(output.new_token_ids):
+                state.token_ids.append(token_id)
+                is_last = position == len(output.new_token_ids) - 1
+                if is_last and finish_reason == "stop":
+                    continue  # EOS or a stop token id: its text is not part of the output
+                stop_string = state.text.add_token(token_id)
+                if stop_string is not None:
+                    finish_reason, stop_reason = "stop", stop_string
+                    if not output.finished:
+                        stopped.append(output.request_id)
+                    break
+            finished = finish_reason is not None
+            deltas.append(
+                SequenceDelta(
+                    state.request_id,
+                    state.index,
+                    state.text.take_delta(finished),
+                    list(output.new_token_ids),
+                    output.new_logprobs if state.wants_logprobs else None,
+                    finish_reason,
+                    stop_reason,
+                    output.num_prompt_tokens,
+                    output.num_cached_tokens,
+                    output.kv_transfer_params,
+                    output.error,
+                )
+            )
+            if finished:
+                self.states.pop(output.request_id, None)
+        return deltas, stopped

@@ -1,0 +1,190 @@
+"""The model runner: owns the KV cache tensor, turns a SchedulerOutput into tensors, runs the
+model, samples, and drives the KV connector's worker-side hooks around the forward pass.
+
+KV cache layout (one tensor for all layers, so a transfer can gather across layers in bulk):
+
+    kv_cache[layer, 0 = key | 1 = value, block_id, offset_in_block, kv_head, head_dim]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from tandem.attention.base import AttentionMetadata
+from tandem.engine.config import EngineConfig
+from tandem.engine.outputs import RunnerOutput, SchedulerOutput
+from tandem.engine.sampler import Sampler
+from tandem.kv.base import KVConnector
+from tandem.models.config import ModelConfig
+from tandem.models.llama import LlamaForCausalLM
+
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (
+            self.num_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+
+
+def plan_kv_cache(
+    config: EngineConfig, model_config: ModelConfig, model: LlamaForCausalLM
+) -> KVCacheSpec:
+    """How many blocks: as asked, else from the memory asked, else from what the device has."""
+    spec = KVCacheSpec(
+        0,
+        config.block_size,
+        model_config.num_layers,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        config.torch_dtype,
+    )
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory is not None:
+        num_blocks = config.kv_cache_memory // spec.bytes_per_block
+    elif config.device == "cpu":
+        num_blocks = CPU_DEFAULT_KV_CACHE_BYTES // spec.bytes_per_block
+    else:
+        num_blocks = _profile_cuda_blocks(config, model, spec)
+    if num_blocks < 1:
+        raise ValueError("the KV cache settings leave room for no block; give it more memory")
+    return replace(spec, num_blocks=num_blocks)
+
+
+def _profile_cuda_blocks(config: EngineConfig, model: LlamaForCausalLM, spec: KVCacheSpec) -> int:
+    """Run the largest batch once with a one-block cache, then give the memory that is left
+    under gpu_memory_utilization to the KV cache."""
+    device = torch.device(config.device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = config.max_num_batched_tokens
+    cache = torch.zeros(replace(spec, num_blocks=1).shape, dtype=spec.dtype, device=device)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.zeros((1, 1), dtype=torch.int32, device=device),
+        max_query_len=num_tokens,
+        max_seq_len=min(num_tokens, spec.block_size),
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device), cache, metadata)
+    model.compute_logits(hidden[-config.max_num_seqs :])
+    del cache, hidden
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(total * config.gpu_memory_utilization - peak) // spec.bytes_per_block
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_spec: KVCacheSpec,
+        device: torch.device,
+        sampler: Sampler,
+        connector: KVConnector,
+    ) -> None:
+        self.model = model
+        self.kv_spec = kv_spec
+        self.device = device
+        self.sampler = sampler
+        self.connector = connector
+        self.kv_cache = torch.zeros(kv_spec.shape, dtype=kv_spec.dtype, device=device)
+        connector.register_kv_cache(self.kv_cache)
+
+    def _to_device(self, values: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.as_tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, ...]:
+        block_size = self.kv_spec.block_size
+        requests = scheduler_output.requests
+        max_blocks = max(len(r.block_ids) for r in requests)
+        block_tables = torch.zeros((len(requests), max_blocks), dtype=torch.int32)
+        input_ids: list[int] = []
+        positions, slots = [], []
+        query_start_loc, seq_lens = [0], []
+        for row, request in enumerate(requests):
+            count = len(request.token_ids)
+            table = torch.tensor(request.block_ids, dtype=torch.int64)
+            block_tables[row, : len(table)] = table.to(torch.int32)
+            pos = torch.arange(request.start_position, request.start_position + count)
+            input_ids.extend(request.token_ids)
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            query_start_loc.append(query_start_loc[-1] + count)
+            seq_lens.append(request.start_position + count)
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(torch.cat(slots), torch.int64),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_tables=self._to_device(block_tables, torch.int32),
+            max_query_len=max(len(r.token_ids) for r in requests),
+            max_seq_len=max(seq_lens),
+        )
+        return (
+            self._to_device(input_ids, torch.int64),
+            self._to_device(torch.cat(positions), torch.int64),
+            metadata,
+            query_start_loc,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        connector_meta = scheduler_output.kv_connector_metadata
+        self.connector.start_load_kv(connector_meta)
+        output = RunnerOutput()
+        if scheduler_output.requests:
+            input_ids, positions, metadata, query_start_loc = self.prepare(scheduler_output)
+            hidden = self.model(
+                input_ids,
+                positions,
+                self.kv_cache,
+                metadata,
+                after_layer=lambda index: self.connector.save_kv_layer(index, connector_meta),
+            )
+            self.connector.wait_for_save(connector_meta)
+            to_sample = [
+                (row, r) for row, r in enumerate(scheduler_output.requests) if r.sample
+            ]
+            if to_sample:
+                rows = torch.tensor([query_start_loc[row + 1] - 1 for row, _ in to_sample])
+                logits = self.model.compute_logits(hidden[rows.to(hidden.device)])
+                token_ids, logprobs = self.sampler(logits, [r for _, r in to_sample])
+                for (_, request), token_id, lp in zip(to_sample, token_ids, logprobs, strict=True):
+                    output.sampled_token_ids[request.request_id] = token_id
+                    if lp is not None:
+                        output.logprobs[request.request_id] = lp
+        output.kv_connector_output = self.connector.get_finished()
+        return output

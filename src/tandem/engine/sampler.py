@@ -1,0 +1,130 @@
+"""Token sampling for one step's batch of logits.
+
+Greedy rows take the argmax. Other rows divide by the temperature, mask by top-k, top-p and min-p,
+and sample by an exponential race (argmax of probs / E with E ~ Exp(1)), which equals drawing from
+the categorical distribution. A seeded request draws its noise from a generator seeded by
+(seed, output index), so its token depends on nothing else in the batch, and a request continued
+elsewhere (PD decode) draws the same noise for the same output index.
+
+Logprobs are those of the model's raw distribution (before temperature and masks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+
+from tandem.engine.outputs import ScheduledRequest, TokenLogprobs
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_MASK63 = (1 << 63) - 1
+
+
+def seeded_generator(seed: int, output_index: int, device: torch.device) -> torch.Generator:
+    mixed = (seed * _SEED_MIX + output_index * 0xBF58476D1CE4E5B9 + 1) & _MASK63
+    return torch.Generator(device=device).manual_seed(mixed)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Collection[int], seed: int = 0) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[device]
+
+    @torch.inference_mode()
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [N, vocab] float32, one row per request in `requests`."""
+        num_rows = logits.shape[0]
+        device = logits.device
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._suppress_early_stops(logits, requests)
+
+        params = [r.sampling_params for r in requests]
+        greedy = torch.tensor([p.is_greedy for p in params], device=device)
+        sampled = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            temperature = torch.tensor(
+                [p.temperature if p.temperature > 0 else 1.0 for p in params],
+                device=device,
+                dtype=logits.dtype,
+            )
+            scaled = self._apply_masks(logits / temperature[:, None], params)
+            probs = torch.softmax(scaled, dim=-1)
+            noise = torch.empty_like(probs)
+            shared = self._shared_generator(device)
+            for row, request in enumerate(requests):
+                seed = request.sampling_params.seed
+                generator = (
+                    shared
+                    if seed is None
+                    else seeded_generator(seed, request.output_index, device)
+                )
+                noise[row].exponential_(generator=generator)
+            drawn = (probs / noise).argmax(dim=-1)
+            sampled = torch.where(greedy, sampled, drawn)
+
+        token_ids = sampled.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            for row, request in enumerate(requests):
+                count = request.sampling_params.logprobs
+                if count is None:
+                    continue
+                top_values, top_ids = raw_logprobs[row].topk(count) if count else (None, None)
+                top = (
+                    list(zip(top_ids.tolist(), top_values.tolist(), strict=True)) if count else []
+                )
+                logprobs[row] = TokenLogprobs(
+                    token_ids[row], float(raw_logprobs[row, token_ids[row]]), top
+                )
+        return token_ids, logprobs
+
+    def _suppress_early_stops(
+        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
+    ) -> torch.Tensor:
+        """Before min_tokens outputs, EOS and stop token ids cannot be drawn."""
+        rows = [i for i, r in enumerate(requests) if r.output_index < r.sampling_params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for row in rows:
+            params = requests[row].sampling_params
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += self.eos_token_ids
+            if banned:
+                logits[row, banned] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_masks(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if all(k == vocab for k in top_k) and all(p == 1.0 for p in top_p) and not any(min_p):
+            return logits
+        device = logits.device
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        remove = ranks >= torch.tensor(top_k, device=device)[:, None]
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs
+        remove |= cumulative > torch.tensor(top_p, device=device, dtype=logits.dtype)[:, None]
+        threshold = sorted_probs[:, :1] * torch.tensor(min_p, device=device, dtype=logits.dtype)[
+            :, None
+        ]
+        remove |= sorted_probs < threshold
+        remove[:, 0] = False  # the most likely token always stays
+        masked = sorted_logits.masked_fill(remove, float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, masked)

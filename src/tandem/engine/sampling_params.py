@@ -1,0 +1,64 @@
+"""Per-request sampling settings, validated once when the request is made.
+
+Invalid values raise `ValueError` with a sentence naming the field and what to change; the HTTP
+server turns those into 400 errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature 0 means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no limit
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per sampled token (0: only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, "n must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be -1 (no limit), 0 (no limit) or a positive count"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens must not exceed max_tokens",
+            ),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_updates(self, **changes) -> SamplingParams:
+        return replace(self, **changes)

@@ -1,0 +1,258 @@
+"""Continuous batching with chunked prefill, prefix caching, preemption and remote KV.
+
+Each step spends a token budget (`max_num_batched_tokens`) first on running requests, oldest first,
+then on waiting ones. A request asks for `num_tokens - num_computed_tokens` tokens; a long prompt
+gets what is left of the budget and continues next step (chunked prefill). When blocks run out,
+the newest running request is preempted: its blocks are freed and it goes back to the front of the
+waiting queue, to be recomputed (its prefix blocks usually still hit the cache).
+
+With a KV connector (PD), a waiting request may have its prompt's KV elsewhere: it gets its
+blocks, waits in WAITING_FOR_REMOTE_KV (outside the batch) until the connector reports the load,
+then those tokens count as computed. A finished request whose KV a remote decoder will read keeps
+its blocks until the connector reports that it is done with them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.outputs import (
+    EngineCoreOutput,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from tandem.engine.request import Request, RequestStatus
+from tandem.kv.base import KVConnector, NoKVConnector
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024  # admission limit: the server answers 503 beyond it
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        connector: KVConnector | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.connector = connector or NoKVConnector()
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.held_for_remote: set[str] = set()  # finished, blocks kept for a remote reader
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED))
+        return outputs
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.waiting_for_remote)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Whether a step could make progress without new input."""
+        return bool(self.waiting or self.running or self.waiting_for_remote or self.held_for_remote)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                index += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+            num_local = request.num_computed_tokens + len(hits) * self.kv.block_size
+            num_external, load_async = self.connector.get_num_new_matched_tokens(
+                request, num_local
+            )
+            if load_async:
+                if not self.kv.allocate_slots(request, num_external, hits):
+                    break
+                self.waiting.popleft()
+                request.num_computed_tokens = num_local
+                request.num_cached_tokens = num_local
+                self.connector.update_state_after_alloc(
+                    request, self.kv.block_ids(request.request_id), num_external
+                )
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.waiting_for_remote[request.request_id] = request
+                continue
+            num_new = min(request.num_tokens - num_local, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING and request.num_computed_tokens == 0:
+                request.num_cached_tokens = num_local
+            request.num_computed_tokens = num_local
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(
+            requests=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            kv_connector_metadata=self.connector.build_connector_meta(scheduled),
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for item in scheduler_output.requests:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            self.kv.cache_computed_blocks(request)
+            token_id = runner_output.sampled_token_ids.get(item.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            logprobs = runner_output.logprobs.get(item.request_id)
+            status = request.check_stop()
+            if status is None:
+                outputs.append(
+                    EngineCoreOutput(
+                        request.request_id,
+                        [token_id],
+                        [logprobs] if logprobs else None,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+            else:
+                self.running.remove(request)
+                output = self._finish(request, status)
+                output.new_token_ids = [token_id]
+                output.new_logprobs = [logprobs] if logprobs else None
+                outputs.append(output)
+        if runner_output.kv_connector_output is not None:
+            outputs.extend(self._update_from_connector(runner_output.kv_connector_output))
+        return outputs
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            output_index=request.num_output_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> EngineCoreOutput:
+        request.status = status
+        self.requests.pop(request.request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.waiting_for_remote.pop(request.request_id, None)
+        block_ids = self.kv.block_ids(request.request_id)
+        delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
+        if delay_free:
+            self.held_for_remote.add(request.request_id)
+        else:
+            self.kv.free(request.request_id)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason=status.value,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            kv_transfer_params=kv_transfer_params,
+        )
+
+    def _update_from_connector(self, connector_output) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in connector_output.finished_sending:
+            if request_id in self.held_for_remote:
+                self.held_for_remote.discard(request_id)
+                self.kv.free(request_id)
+        for request_id in connector_output.finished_recving:
+            request = self.waiting_for_remote.pop(request_id, None)
+            if request is None:
+                continue
+            request.num_computed_tokens = request.num_tokens - 1
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        for request_id, kind in connector_output.failed_recving.items():
+            request = self.waiting_for_remote.pop(request_id, None)
+            if request is None:
+                continue
+            if self.connector.recompute_on_failure:
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+            else:
+                self.waiting_for_remote[request_id] = request
+                output = self._finish(request, RequestStatus.FINISHED_ERROR)
+                output.error = f"the KV transfer from the prefill worker failed ({kind})"
+                outputs.append(output)
+        return outputs

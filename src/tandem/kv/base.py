@@ -1,0 +1,71 @@
+"""The KV connector interface: the hooks through which the engine moves KV to and from elsewhere.
+
+Scheduler side (called by the scheduler, pure bookkeeping):
+    get_num_new_matched_tokens(request, num_local) -> (num_external, load_async)
+    update_state_after_alloc(request, block_ids, num_external)
+    build_connector_meta(scheduled) -> metadata for this step's runner
+    request_finished(request, block_ids) -> (delay_free, kv_transfer_params)
+
+Worker side (called by the model runner around the forward pass):
+    start_load_kv(metadata)             begin this step's loads (never blocks the batch)
+    save_kv_layer(layer_index, kv_cache, metadata)   after each layer's KV is written
+    wait_for_save(metadata)             after the forward pass
+    get_finished() -> KVConnectorOutput loads done or failed, remote readers done
+
+`NoKVConnector` is the colocated engine's: it matches nothing and holds nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.engine.outputs import KVConnectorOutput, ScheduledRequest
+    from tandem.engine.request import Request
+
+
+class KVConnector:
+    recompute_on_failure: bool = True
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external: int
+    ) -> None:
+        return None
+
+    def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> Any:
+        return None
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    # worker side
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        return None
+
+    def start_load_kv(self, metadata: Any) -> None:
+        return None
+
+    def save_kv_layer(self, layer_index: int, metadata: Any) -> None:
+        return None
+
+    def wait_for_save(self, metadata: Any) -> None:
+        return None
+
+    def get_finished(self) -> KVConnectorOutput | None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+class NoKVConnector(KVConnector):
+    """The colocated engine's connector."""

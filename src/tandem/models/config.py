@@ -1,0 +1,71 @@
+"""The model's shape, read once from a Hugging Face config dict and frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # RMSNorm on q and k per head before RoPE (Qwen3)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        model_type = hf.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {model_type!r} is not supported; tandem runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or None)
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            rope_scaling = None if kind == "default" else tuple(sorted(rope_scaling.items()))
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def kv_bytes_per_token_per_dtype_byte(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim

@@ -1,0 +1,239 @@
+"""One Llama-family decoder for Llama 2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+Parameters keep Hugging Face names except two packed projections, filled by `load_weights`:
+
+    self_attn.qkv_proj = [q_proj; k_proj; v_proj]     (rows: heads*d, kv_heads*d, kv_heads*d)
+    mlp.gate_up_proj   = [gate_proj; up_proj]          (rows: intermediate, intermediate)
+
+The forward pass takes a flat batch of tokens (no padding) with their positions and attention
+metadata, writes their K/V into the paged cache through the attention backend, and returns the
+final hidden states; `compute_logits` projects only the rows the caller asks for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.attention.base import AttentionBackend, AttentionMetadata
+from tandem.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if config.rope_scaling is None:
+        return inv_freq.float()
+    scaling = dict(config.rope_scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled).float()
+    raise ValueError(f"rope scaling {kind!r} is not supported; use none, 'linear' or 'llama3'")
+
+
+class RotaryEmbedding(nn.Module):
+    """HF (neox) convention: rotate the two halves of each head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
+        cos = freqs.cos()[:, None, :]
+        sin = freqs.sin()[:, None, :]
+        rotated = []
+        for x in tensors:  # [T, heads, d]
+            x1, x2 = x.float().chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            rotated.append(out.to(x.dtype))
+        return rotated
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.backend = backend
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, layer_cache[0], layer_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+
+
+# HF name fragment -> (packed parameter fragment, shard index)
+_PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        model = self.model
+        hidden = model.embed_tokens(input_ids)
+        for index, layer in enumerate(model.layers):
+            attn_in = layer.input_layernorm(hidden)
+            hidden = hidden + layer.self_attn(
+                attn_in, positions, model.rotary, kv_cache[index], metadata
+            )
+            if after_layer is not None:
+                after_layer(index)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return model.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def _shard_sizes(self, packed: str) -> list[int]:
+        c = self.config
+        if packed == "qkv_proj":
+            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            return [q, kv, kv]
+        return [c.intermediate_size, c.intermediate_size]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, packing q/k/v and gate/up. Every parameter must be given."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for fragment, (packed, index) in _PACKED.items():
+                if f".{fragment}." in name:
+                    target, shard = name.replace(fragment, packed), index
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            if shard is None:
+                dest = param
+            else:
+                sizes = self._shard_sizes(target.split(".")[-2])
+                dest = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor.to(dest.dtype))
+            loaded.add(f"{target}#{shard}")
+        expected = set()
+        for name in params:
+            module = name.split(".")[-2]
+            if module in ("qkv_proj", "gate_up_proj"):
+                expected.update(f"{name}#{i}" for i in range(len(self._shard_sizes(module))))
+            else:
+                expected.add(f"{name}#None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

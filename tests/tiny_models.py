@@ -1,0 +1,67 @@
+"""Tiny random-weight checkpoints of each supported architecture, saved by transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # Llama with grouped-query attention (4 query heads share 2 KV heads), head_dim 16
+    "llama-gqa": dict(
+        model_type="llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2
+    ),
+    # Llama with tied embeddings, plain multi-head attention, head_dim 32, llama3 rope scaling
+    "llama-tied": dict(
+        model_type="llama",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    # Qwen2: q/k/v biases, 6 query heads over 2 KV heads
+    "qwen2-bias": dict(
+        model_type="qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=2
+    ),
+    # Qwen3: q/k RMSNorm, head_dim 32 independent of hidden/heads, 4 query heads over 1 KV head
+    "qwen3-qknorm": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+    ),
+}
+
+
+def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
+    """Save a random checkpoint of shape `name` (config.json + model.safetensors) in directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(SHAPES[name])
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=512,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **settings,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
