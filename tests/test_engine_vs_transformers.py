@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import SHAPES
 
 from tandem import LLM, SamplingParams
 from tandem.attention.base import AttentionMetadata
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
+from tiny_models import SHAPES
 
 NEW_TOKENS = 64
 

@@ -147,9 +147,7 @@ class OutputProcessor:
     def discard(self, child_id: str) -> None:
         self.states.pop(child_id, None)
 
-    def process(
-        self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[SequenceDelta], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[SequenceDelta], list[str]]:
         """Deltas for the outputs, and the child ids a stop string finished (abort them)."""
         deltas, stopped = [], []
         for output in outputs:

@@ -175,9 +175,7 @@ class ModelRunner:
                 after_layer=lambda index: self.connector.save_kv_layer(index, connector_meta),
             )
             self.connector.wait_for_save(connector_meta)
-            to_sample = [
-                (row, r) for row, r in enumerate(scheduler_output.requests) if r.sample
-            ]
+            to_sample = [(row, r) for row, r in enumerate(scheduler_output.requests) if r.sample]
             if to_sample:
                 rows = torch.tensor([query_start_loc[row + 1] - 1 for row, _ in to_sample])
                 logits = self.model.compute_logits(hidden[rows.to(hidden.device)])

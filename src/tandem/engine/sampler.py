@@ -65,9 +65,7 @@ class Sampler:
             for row, request in enumerate(requests):
                 seed = request.sampling_params.seed
                 generator = (
-                    shared
-                    if seed is None
-                    else seeded_generator(seed, request.output_index, device)
+                    shared if seed is None else seeded_generator(seed, request.output_index, device)
                 )
                 noise[row].exponential_(generator=generator)
             drawn = (probs / noise).argmax(dim=-1)
@@ -81,9 +79,7 @@ class Sampler:
                 if count is None:
                     continue
                 top_values, top_ids = raw_logprobs[row].topk(count) if count else (None, None)
-                top = (
-                    list(zip(top_ids.tolist(), top_values.tolist(), strict=True)) if count else []
-                )
+                top = list(zip(top_ids.tolist(), top_values.tolist(), strict=True)) if count else []
                 logprobs[row] = TokenLogprobs(
                     token_ids[row], float(raw_logprobs[row, token_ids[row]]), top
                 )
@@ -121,9 +117,9 @@ class Sampler:
         sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs
         remove |= cumulative > torch.tensor(top_p, device=device, dtype=logits.dtype)[:, None]
-        threshold = sorted_probs[:, :1] * torch.tensor(min_p, device=device, dtype=logits.dtype)[
-            :, None
-        ]
+        threshold = (
+            sorted_probs[:, :1] * torch.tensor(min_p, device=device, dtype=logits.dtype)[:, None]
+        )
         remove |= sorted_probs < threshold
         remove[:, 0] = False  # the most likely token always stays
         masked = sorted_logits.masked_fill(remove, float("-inf"))

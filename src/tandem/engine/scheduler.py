@@ -115,9 +115,7 @@ class Scheduler:
             request = self.waiting[0]
             hits = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
             num_local = request.num_computed_tokens + len(hits) * self.kv.block_size
-            num_external, load_async = self.connector.get_num_new_matched_tokens(
-                request, num_local
-            )
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
             if load_async:
                 if not self.kv.allocate_slots(request, num_external, hits):
                     break

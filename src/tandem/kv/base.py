@@ -63,6 +63,16 @@ class KVConnector:
     def get_finished(self) -> KVConnectorOutput | None:
         return None
 
+    # both sides
+    def release(self, remote_request_id: str) -> None:
+        """Free a leased request's blocks now (the router gave the request up)."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /metrics. "kv_transfer_seconds" (a list) and "kv_transfer_failures"
+        (kind -> count) hold only what happened since the previous call."""
+        return {}
+
     def shutdown(self) -> None:
         return None
 

@@ -6,7 +6,8 @@ Accepted model specs:
     DIR                            a Hugging Face directory: config.json + *.safetensors
     qwen3-0.6b | llama-3.1-8b | PATH.json   a config only: needs load_format="dummy"
 
-load_format: "auto" (real weights), or "dummy" (random weights in the config's shape, for speed runs).
+load_format: "auto" (real weights), or "dummy" (random weights in the config's shape, for
+speed runs).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def resolve_model(spec: str) -> ModelSource:
     shipped = SHIPPED_CONFIGS / f"{spec}.json"
     if shipped.is_file():
         return ModelSource(spec, "config", shipped, json.loads(shipped.read_text()))
-    known = ", ".join([gguf_loader.DEFAULT_MODEL] + sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json")))
+    known = ", ".join(
+        [gguf_loader.DEFAULT_MODEL] + sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json"))
+    )
     raise ModelNotFoundError(
         f"model {spec!r} not found: give a .gguf file, a Hugging Face directory with "
         f"config.json, or one of: {known}"

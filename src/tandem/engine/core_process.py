@@ -1,0 +1,142 @@
+"""The engine core in its own process, so HTTP work never stalls the step loop.
+
+    API process                         engine core process
+    AsyncEngineClient --(add/abort)-->  run_engine_core: poll inputs, step, send outputs
+                      <--(outputs, stats)--
+
+Messages are pickled tuples over two ZeroMQ PUSH/PULL sockets on ipc:// addresses:
+    in:  ("add", [Request]) | ("abort", [request_id]) | ("release_kv", remote_request_id)
+         | ("shutdown",)
+    out: ("ready", info) | ("error", message) | ("outputs", [EngineCoreOutput], stats)
+The loop blocks on its input only while it has nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from tandem.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 100  # nothing to do: wake up this often to report stats and expire leases
+REMOTE_POLL_MS = 2  # only waiting on remote KV or leases: poll the connector this often
+STATS_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the front end needs to know about the engine it talks to."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    num_kv_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    device: str
+    dtype: str
+    kv_layout: str
+
+
+def collect_stats(core) -> dict[str, Any]:
+    scheduler, kv = core.scheduler, core.kv_manager
+    stats = {
+        "kv_blocks_used": kv.num_used_blocks,
+        "kv_blocks_total": kv.num_blocks,
+        "requests_running": scheduler.num_running,
+        "requests_waiting": scheduler.num_waiting,
+        "prefix_cache_queries": kv.num_prefix_queries,
+        "prefix_cache_hits": kv.num_prefix_hits,
+        "num_preemptions": scheduler.num_preemptions,
+    }
+    stats.update(core.connector.stats())
+    return stats
+
+
+def run_engine_core(
+    config: EngineConfig, kv_config: Any, input_address: str, output_address: str
+) -> None:
+    """Process entry point: build the core, announce it, then step until told to stop."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    try:
+        from tandem.engine.core import EngineCore
+
+        factory = None
+        if kv_config is not None:
+            from tandem.kv.connector import connector_factory
+
+            factory = connector_factory(kv_config)
+        core = EngineCore(config, factory)
+    except Exception as exc:  # start-up failures go to the front end as a sentence
+        outputs.send_pyobj(("error", f"{type(exc).__name__}: {exc}"))
+        logger.error("engine failed to start:\n%s", traceback.format_exc())
+        context.destroy(linger=1000)
+        return
+    spec = core.kv_spec
+    outputs.send_pyobj(
+        (
+            "ready",
+            EngineInfo(
+                model=config.model,
+                max_model_len=core.max_model_len,
+                vocab_size=core.model_config.vocab_size,
+                eos_token_ids=core.eos_token_ids,
+                num_kv_blocks=spec.num_blocks,
+                block_size=spec.block_size,
+                kv_bytes_per_token=spec.bytes_per_token,
+                device=core.config.device,
+                dtype=core.config.dtype,
+                kv_layout=f"{spec.num_layers}x2x{spec.num_kv_heads}x{spec.head_dim}:{core.config.dtype}",
+            ),
+        )
+    )
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    last_stats = 0.0
+    try:
+        while True:
+            scheduler = core.scheduler
+            if scheduler.waiting or scheduler.running:
+                timeout = 0
+            elif scheduler.waiting_for_remote or scheduler.held_for_remote:
+                timeout = REMOTE_POLL_MS
+            else:
+                timeout = IDLE_POLL_MS
+            step_outputs = []
+            while poller.poll(timeout):
+                message = inputs.recv_pyobj()
+                kind = message[0]
+                if kind == "shutdown":
+                    return
+                if kind == "add":
+                    for request in message[1]:
+                        core.add_request(request)
+                elif kind == "abort":
+                    step_outputs.extend(core.abort_requests(message[1]))
+                elif kind == "release_kv":
+                    core.connector.release(message[1])
+                timeout = 0
+            if core.has_work():
+                step_outputs.extend(core.step())
+            now = time.monotonic()
+            if step_outputs or now - last_stats > STATS_INTERVAL_S:
+                outputs.send_pyobj(("outputs", step_outputs, collect_stats(core)))
+                last_stats = now
+    finally:
+        core.shutdown()
+        context.destroy(linger=0)

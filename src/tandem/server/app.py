@@ -1,0 +1,505 @@
+"""The worker's HTTP server: the OpenAI API over one engine, plus health, metrics and the PD
+extensions (kv_transfer_params in and out, `POST /v1/kv/release`).
+
+Every error a client can cause is an OpenAI-style error object with a 4xx status; a 5xx means a
+bug. A client that disconnects aborts its request in the engine at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tandem.engine.processor import SequenceDelta
+from tandem.server.engine_client import AsyncEngineClient, QueueFullError
+from tandem.server.metrics import WorkerMetrics
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    KVReleaseRequest,
+    SamplingFields,
+    error_body,
+)
+
+
+class ClientError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    role: str = "both"
+    has_kv_transport: bool = False
+
+
+@dataclass
+class Choice:
+    """One output sequence being assembled from deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="tandem worker", docs_url=None, redoc_url=None)
+    metrics = WorkerMetrics(settings.served_model_name)
+    client.stats_listener = metrics.update_from_stats
+    app.state.client = client
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            return _error("the request body is not valid JSON", 400)
+        location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        message = first.get("msg", "invalid value").removeprefix("Value error, ")
+        return _error(f"{location or 'body'}: {message}", 400, location or None)
+
+    @app.exception_handler(ClientError)
+    async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
+        return _error(str(exc), exc.status, exc.param)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.healthy:
+            return JSONResponse({"status": "ok", "role": settings.role})
+        return _error("the engine is not running", 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "tandem",
+                    "max_model_len": client.info.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/kv/release")
+    async def release_kv(body: KVReleaseRequest) -> dict[str, Any]:
+        await client.release_kv(body.remote_request_id)
+        return {"released": body.remote_request_id}
+
+    def check_common(body: SamplingFields) -> None:
+        if body.model is not None and body.model != settings.served_model_name:
+            raise ClientError(
+                f"model {body.model!r} does not exist; this server serves "
+                f"{settings.served_model_name!r}",
+                404,
+                "model",
+            )
+        params = body.kv_transfer_params or {}
+        if params.get("do_remote_decode") or params.get("do_remote_prefill"):
+            if not settings.has_kv_transport:
+                raise ClientError(
+                    "kv_transfer_params need a worker with a KV transport; start it with "
+                    "--role prefill or --role decode",
+                    param="kv_transfer_params",
+                )
+            if body.n != 1:
+                raise ClientError("n must be 1 for a disaggregated (PD) request", param="n")
+        if params.get("do_remote_decode") and body.stream:
+            raise ClientError(
+                "the prefill leg of a PD request cannot stream; send stream=false",
+                param="stream",
+            )
+
+    async def start(
+        request_id: str, prompt_ids: list[int], body: SamplingFields, logprobs: int | None
+    ) -> AsyncIterator[SequenceDelta]:
+        """Validate, submit and return the request's delta stream, primed: admission errors
+        surface here as ClientErrors, before any response byte is written."""
+        try:
+            params = body.sampling_params(logprobs, default_max_tokens=None)
+            stream = client.generate(request_id, prompt_ids, params, body.kv_transfer_params)
+            first = await anext(stream)
+        except QueueFullError as exc:
+            raise ClientError(str(exc), 503) from exc
+        except ValueError as exc:
+            raise ClientError(str(exc)) from exc
+        metrics.prompt_tokens.labels(settings.served_model_name).inc(len(prompt_ids))
+        return _prepend(first, stream)
+
+    def tokenize(prompt: str | list[int]) -> list[int]:
+        try:
+            return client.inputs.tokenize(prompt)
+        except ValueError as exc:
+            raise ClientError(str(exc), param="prompt") from exc
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        check_common(body)
+        prompts = body.prompts()
+        prompt_ids = [tokenize(p) for p in prompts]
+        if body.kv_transfer_params and len(prompts) != 1:
+            raise ClientError("a PD request must hold exactly one prompt", param="prompt")
+        base_id = client.new_request_id()
+        streams = [
+            await start(f"{base_id}-p{i}", ids, body, body.logprobs)
+            for i, ids in enumerate(prompt_ids)
+        ]
+        writer = CompletionWriter(client, settings, body, f"cmpl-{base_id}", prompts, prompt_ids)
+        return await respond(raw, body, streams, writer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        check_common(body)
+        messages = [m.as_template_input() for m in body.messages]
+        try:
+            prompt_ids = client.inputs.tokenize_chat(messages, **(body.chat_template_kwargs or {}))
+        except ValueError as exc:
+            raise ClientError(str(exc), param="messages") from exc
+        except Exception as exc:  # a template error is the request's fault
+            raise ClientError(f"the chat template failed on these messages: {exc}") from exc
+        base_id = client.new_request_id()
+        streams = [await start(base_id, prompt_ids, body, body.num_logprobs())]
+        writer = ChatWriter(client, settings, body, f"chatcmpl-{base_id}", [prompt_ids])
+        return await respond(raw, body, streams, writer)
+
+    async def respond(raw: Request, body: SamplingFields, streams, writer) -> Response:
+        arrival = time.monotonic()
+        if body.stream:
+            return StreamingResponse(
+                sse(writer.stream(merge(streams), metrics, arrival)),
+                media_type="text/event-stream",
+            )
+        result = await until_disconnected(raw, writer.collect(merge(streams), metrics, arrival))
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result)
+
+    return app
+
+
+async def _prepend(first: SequenceDelta, rest: AsyncIterator[SequenceDelta]):
+    yield first
+    async for delta in rest:
+        yield delta
+
+
+async def merge(streams: list[AsyncIterator[SequenceDelta]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave the delta streams of several prompts as (prompt index, delta)."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[SequenceDelta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
+    """Run work; if the client disconnects first, cancel it (which aborts the request)."""
+    work_task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watch_task = asyncio.ensure_future(wait_disconnect())
+    done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    if work_task in done:
+        watch_task.cancel()
+        return work_task.result()
+    work_task.cancel()
+    try:
+        await work_task
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async for event in events:
+        yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class ResponseWriter:
+    """Turns delta streams into one OpenAI response (collected) or its chunks (streamed)."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, client, settings, body, response_id, prompt_ids) -> None:
+        self.client = client
+        self.settings = settings
+        self.body = body
+        self.response_id = response_id
+        self.prompt_ids = prompt_ids
+        self.created = int(time.time())
+        self.n = body.n
+
+    def choice_index(self, prompt_index: int, delta: SequenceDelta) -> int:
+        return prompt_index * self.n + delta.index
+
+    def usage(self, choices: dict[int, Choice], cached: int) -> dict[str, Any]:
+        prompt_tokens = sum(len(ids) for ids in self.prompt_ids)
+        completion_tokens = sum(len(c.token_ids) for c in choices.values())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def token_text(self, token_id: int) -> str:
+        tokenizer = self.client.tokenizer
+        return "" if tokenizer is None else tokenizer.decode([token_id])
+
+    async def collect(self, deltas, metrics: WorkerMetrics, arrival: float) -> dict[str, Any]:
+        choices: dict[int, Choice] = {}
+        cached = 0
+        kv_transfer_params = None
+        tracker = LatencyTracker(metrics, self.settings.served_model_name, arrival)
+        async for prompt_index, delta in deltas:
+            check_error(delta)
+            tracker.observe(delta)
+            choice = choices.setdefault(self.choice_index(prompt_index, delta), Choice())
+            choice.text += delta.text
+            choice.token_ids.extend(delta.token_ids)
+            choice.logprobs.extend(delta.logprobs or [])
+            if delta.finish_reason is not None:
+                choice.finish_reason = delta.finish_reason
+                choice.stop_reason = delta.stop_reason
+                cached += delta.num_cached_tokens
+                kv_transfer_params = delta.kv_transfer_params or kv_transfer_params
+        tracker.finish(choices.values())
+        response = {
+            "id": self.response_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.settings.served_model_name,
+            "choices": [self.full_choice(i, choices[i]) for i in sorted(choices)],
+            "usage": self.usage(choices, cached),
+        }
+        if self.body.kv_transfer_params is not None:
+            response["kv_transfer_params"] = kv_transfer_params
+        return response
+
+    async def stream(
+        self, deltas, metrics: WorkerMetrics, arrival: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        choices: dict[int, Choice] = {}
+        cached = 0
+        tracker = LatencyTracker(metrics, self.settings.served_model_name, arrival)
+        async for event in self.opening_chunks():
+            yield event
+        async for prompt_index, delta in deltas:
+            if delta.finish_reason == "error":
+                yield {"error": error_body(delta.error or "the request failed", 500)["error"]}
+                return
+            tracker.observe(delta)
+            index = self.choice_index(prompt_index, delta)
+            choice = choices.setdefault(index, Choice())
+            choice.token_ids.extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                cached += delta.num_cached_tokens
+            if delta.text or delta.finish_reason is not None or delta.logprobs:
+                yield self.chunk([self.delta_choice(index, delta)])
+        tracker.finish(choices.values())
+        options = self.body.stream_options
+        if options is not None and options.include_usage:
+            yield self.chunk([], usage=self.usage(choices, cached))
+
+    async def opening_chunks(self) -> AsyncIterator[dict[str, Any]]:
+        return
+        yield
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
+        chunk = {
+            "id": self.response_id,
+            "object": self.chunk_object_name,
+            "created": self.created,
+            "model": self.settings.served_model_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+
+class CompletionWriter(ResponseWriter):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, client, settings, body, response_id, prompts, prompt_ids) -> None:
+        super().__init__(client, settings, body, response_id, prompt_ids)
+        self.prompt_texts = [
+            p if isinstance(p, str) else client.tokenizer.decode(p) if client.tokenizer else ""
+            for p in prompts
+        ]
+
+    def logprobs_object(self, logprobs: list, offset: int = 0) -> dict[str, Any] | None:
+        if self.body.logprobs is None:
+            return None
+        tokens, values, tops, offsets = [], [], [], []
+        for item in logprobs:
+            text = self.token_text(item.token_id)
+            tokens.append(text)
+            values.append(item.logprob)
+            tops.append({self.token_text(t): lp for t, lp in item.top})
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def full_choice(self, index: int, choice: Choice) -> dict[str, Any]:
+        prefix = self.prompt_texts[index // self.n] if self.body.echo else ""
+        return {
+            "index": index,
+            "text": prefix + choice.text,
+            "logprobs": self.logprobs_object(choice.logprobs),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+
+    async def opening_chunks(self) -> AsyncIterator[dict[str, Any]]:
+        if self.body.echo:
+            for prompt_index, text in enumerate(self.prompt_texts):
+                for sample in range(self.n):
+                    index = prompt_index * self.n + sample
+                    yield self.chunk(
+                        [{"index": index, "text": text, "logprobs": None, "finish_reason": None}]
+                    )
+
+    def delta_choice(self, index: int, delta: SequenceDelta) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": delta.text,
+            "logprobs": self.logprobs_object(delta.logprobs or []),
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
+
+
+class ChatWriter(ResponseWriter):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def logprobs_object(self, logprobs: list) -> dict[str, Any] | None:
+        if not self.body.logprobs:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                dict(entry(item.token_id, item.logprob), top_logprobs=[entry(*t) for t in item.top])
+                for item in logprobs
+            ]
+        }
+
+    def full_choice(self, index: int, choice: Choice) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": self.logprobs_object(choice.logprobs),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+
+    async def opening_chunks(self) -> AsyncIterator[dict[str, Any]]:
+        yield self.chunk(
+            [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                for i in range(self.n)
+            ]
+        )
+
+    def delta_choice(self, index: int, delta: SequenceDelta) -> dict[str, Any]:
+        return {
+            "index": index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self.logprobs_object(delta.logprobs or []),
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
+
+
+def check_error(delta: SequenceDelta) -> None:
+    if delta.finish_reason == "error":
+        raise ClientError(delta.error or "the request failed", 500)
+
+
+class LatencyTracker:
+    """Feeds TTFT, inter-token and end-to-end latency of one response into the metrics."""
+
+    def __init__(self, metrics: WorkerMetrics, model_name: str, arrival: float) -> None:
+        self.metrics = metrics
+        self.model_name = model_name
+        self.arrival = arrival
+        self.last_token_time: float | None = None
+
+    def observe(self, delta: SequenceDelta) -> None:
+        if not delta.token_ids:
+            return
+        now = time.monotonic()
+        if self.last_token_time is None:
+            self.metrics.ttft.labels(self.model_name).observe(now - self.arrival)
+        else:
+            self.metrics.itl.labels(self.model_name).observe(now - self.last_token_time)
+        self.last_token_time = now
+        self.metrics.generation_tokens.labels(self.model_name).inc(len(delta.token_ids))
+
+    def finish(self, choices) -> None:
+        self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - self.arrival)
+        for choice in choices:
+            self.metrics.requests.labels(self.model_name, choice.finish_reason or "abort").inc()

@@ -1,0 +1,36 @@
+"""`tandem worker`: one engine behind the OpenAI-compatible HTTP server, in role prefill, decode
+or both."""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.engine.cli import add_engine_arguments, engine_config_from_args
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("worker", help="serve one engine over the OpenAI API")
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
+    kv = parser.add_argument_group("KV transfer (PD)")
+    kv.add_argument("--kv-transport", default=None, choices=["tcp", "cuda-ipc"])
+    kv.add_argument("--kv-host", default=None, help="address decode workers reach (default --host)")
+    kv.add_argument("--kv-port", type=int, default=0, help="KV server port (0: any free port)")
+    kv.add_argument("--kv-lease-timeout", type=float, default=30.0, help="seconds")
+    kv.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
+    kv.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
+    kv.add_argument("--kv-fault", default=None, help=argparse.SUPPRESS)  # fault injection, tests
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--router", default=None, help="router URL to register with")
+    cluster.add_argument("--cluster-token", default=None, help="token the router expects")
+    cluster.add_argument("--advertise-url", default=None, help="URL the router should use")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem.server.main import serve
+
+    return serve(args, engine_config_from_args(args))

@@ -1,0 +1,236 @@
+"""The API process's handle on the engine core process.
+
+It owns the tokenizer and the output processor: requests go to the core as token ids; token ids
+come back and are detokenized here, so the core's step loop never does text work. Each live
+request has an asyncio queue that the output loop fills with `SequenceDelta`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.core_process import EngineInfo, run_engine_core
+from tandem.engine.outputs import EngineCoreOutput
+from tandem.engine.processor import InputProcessor, OutputProcessor, SequenceDelta
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+
+
+class EngineStartError(RuntimeError):
+    """The engine core process could not start; the message says why."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the client should retry later."""
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig, kv_config: Any = None, start_timeout: float = 600):
+        self.config = config
+        self.kv_config = kv_config
+        self.start_timeout = start_timeout
+        self.info: EngineInfo | None = None
+        self.stats: dict[str, Any] = {}
+        self.tokenizer = None
+        self.inputs: InputProcessor | None = None
+        self.outputs: OutputProcessor | None = None
+        self._queues: dict[str, asyncio.Queue] = {}  # child request id -> deltas
+        self._children: dict[str, list[str]] = {}  # request id -> child ids
+        self._num_unstarted = 0
+        self._process: multiprocessing.Process | None = None
+        self._output_task: asyncio.Task | None = None
+        self._context = zmq.asyncio.Context()
+        self._socket_dir = tempfile.mkdtemp(prefix="tandem-")
+        self.healthy = False
+        self.stats_listener: Callable[[dict[str, Any]], None] | None = None
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        input_address = f"ipc://{self._socket_dir}/in"
+        output_address = f"ipc://{self._socket_dir}/out"
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.bind(output_address)
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(self.config, self.kv_config, input_address, output_address),
+            name="tandem-engine-core",
+            daemon=True,
+        )
+        self._process.start()
+        self.info = await self._wait_ready()
+        from tandem.models.loader import load_tokenizer, resolve_model
+
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(self.config.model))
+        self.inputs = InputProcessor(
+            self.tokenizer, self.info.max_model_len, self.info.vocab_size, self.info.eos_token_ids
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._output_task = asyncio.create_task(self._output_loop())
+        self.healthy = True
+
+    async def _wait_ready(self) -> EngineInfo:
+        deadline = asyncio.get_running_loop().time() + self.start_timeout
+        while True:
+            if await self._output.poll(timeout=500):
+                kind, payload = (await self._output.recv_pyobj())[:2]
+                if kind == "ready":
+                    return payload
+                if kind == "error":
+                    raise EngineStartError(payload)
+            if not self._process.is_alive():
+                raise EngineStartError(
+                    f"the engine process exited with code {self._process.exitcode} while starting"
+                )
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineStartError(f"the engine did not start within {self.start_timeout} s")
+
+    async def shutdown(self) -> None:
+        self.healthy = False
+        for child_ids in list(self._children.values()):
+            for child_id in child_ids:
+                self._deliver_error(child_id, "the server is shutting down")
+        if self._process is not None and self._process.is_alive():
+            await self._input.send_pyobj(("shutdown",))
+            await asyncio.to_thread(self._process.join, 10)
+            if self._process.is_alive():
+                self._process.kill()
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self._context.destroy(linger=0)
+        for name in ("in", "out"):
+            path = os.path.join(self._socket_dir, name)
+            if os.path.exists(path):
+                os.unlink(path)
+        os.rmdir(self._socket_dir)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return uuid.uuid4().hex
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[SequenceDelta]:
+        """Deltas of every output sequence of the request, as they come; aborts the request in
+        the core if the consumer stops early."""
+        if self._num_unstarted >= self.config.max_waiting:
+            raise QueueFullError(f"{self._num_unstarted} requests are already waiting; retry later")
+        requests = self.inputs.make_requests(
+            request_id, prompt_token_ids, params, kv_transfer_params
+        )
+        queue: asyncio.Queue = asyncio.Queue()
+        child_ids = [r.request_id for r in requests]
+        self._children[request_id] = child_ids
+        first_token_id = (kv_transfer_params or {}).get("first_token_id")
+        to_submit: list[Request] = []
+        pending = set(child_ids)
+        for index, request in enumerate(requests):
+            self._queues[request.request_id] = queue
+            self.outputs.add(request_id, request, index)
+            if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"):
+                if first_token_id is None:
+                    raise ValueError(
+                        "kv_transfer_params from a remote prefill must carry first_token_id"
+                    )
+                request.output_token_ids.append(first_token_id)
+                delta = self._continue_remote(request, first_token_id)
+                queue.put_nowait(delta)
+                if delta.finish_reason is not None:
+                    pending.discard(request.request_id)
+                    continue
+            to_submit.append(request)
+        self._num_unstarted += len(to_submit)
+        unstarted = {r.request_id for r in to_submit}
+        try:
+            if to_submit:
+                await self._input.send_pyobj(("add", to_submit))
+            while pending:
+                delta = await queue.get()
+                child_id = f"{request_id}-{delta.index}"
+                if child_id in unstarted:
+                    unstarted.discard(child_id)
+                    self._num_unstarted -= 1
+                if delta.finish_reason is not None:
+                    pending.discard(child_id)
+                yield delta
+        finally:
+            self._num_unstarted -= len(unstarted)
+            if pending:
+                await self._input.send_pyobj(("abort", list(pending)))
+            for child_id in child_ids:
+                self._queues.pop(child_id, None)
+                self.outputs.discard(child_id)
+            self._children.pop(request_id, None)
+
+    def _continue_remote(self, request: Request, first_token_id: int) -> SequenceDelta:
+        """The first token of a remotely prefilled request is already known: emit it now."""
+        first = EngineCoreOutput(
+            request.request_id,
+            [first_token_id],
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+        status = request.check_stop()
+        if status is not None:
+            first.finish_reason = status.value
+            first.stop_reason = request.stop_reason
+        deltas, _ = self.outputs.process([first])
+        return deltas[0]
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self._children.get(request_id, [])
+        if child_ids:
+            await self._input.send_pyobj(("abort", child_ids))
+
+    async def release_kv(self, remote_request_id: str) -> None:
+        await self._input.send_pyobj(("release_kv", remote_request_id))
+
+    # -- the output loop -------------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        while True:
+            if not await self._output.poll(timeout=1000):
+                if not self._process.is_alive():
+                    self.healthy = False
+                    for child_id in list(self._queues):
+                        self._deliver_error(child_id, "the engine process died")
+                    return
+                continue
+            message = await self._output.recv_pyobj()
+            if message[0] != "outputs":
+                continue
+            _, core_outputs, self.stats = message
+            if self.stats_listener is not None:
+                self.stats_listener(self.stats)
+            deltas, stopped = self.outputs.process(core_outputs)
+            if stopped:
+                await self._input.send_pyobj(("abort", stopped))
+            for delta in deltas:
+                queue = self._queues.get(f"{delta.request_id}-{delta.index}")
+                if queue is not None:
+                    queue.put_nowait(delta)
+
+    def _deliver_error(self, child_id: str, message: str) -> None:
+        queue = self._queues.get(child_id)
+        if queue is None:
+            return
+        request_id, _, index = child_id.rpartition("-")
+        queue.put_nowait(
+            SequenceDelta(request_id, int(index), "", [], None, "error", error=message)
+        )

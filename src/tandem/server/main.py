@@ -1,0 +1,96 @@
+"""Start a worker: the engine core process, the HTTP server, and (with --router) heartbeats.
+
+SIGTERM or SIGINT stop accepting connections, let in-flight responses finish for a short grace
+period, abort what is left, stop the engine process and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+
+import uvicorn
+
+from tandem.engine.config import EngineConfig
+from tandem.kv.config import KVTransferConfig
+from tandem.server.app import ServerSettings, build_app
+from tandem.server.engine_client import AsyncEngineClient, EngineStartError
+
+logger = logging.getLogger("tandem.worker")
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
+    if args.role == "both" and args.kv_transport is None:
+        return None
+    return KVTransferConfig(
+        role=args.role,
+        transport=args.kv_transport or "tcp",
+        host=args.kv_host or args.host,
+        port=args.kv_port,
+        lease_timeout_s=args.kv_lease_timeout,
+        transfer_timeout_s=args.kv_transfer_timeout,
+        load_failure_policy=args.kv_load_failure_policy,
+        fault=args.kv_fault,
+    )
+
+
+def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    kv_config = kv_config_from_args(args)
+    client = AsyncEngineClient(config, kv_config)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or config.model,
+        role=args.role,
+        has_kv_transport=kv_config is not None,
+    )
+    started = {"ok": False}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            await client.start()
+        except EngineStartError as exc:
+            logger.error("the engine could not start: %s", exc)
+            raise
+        started["ok"] = True
+        heartbeat = None
+        if args.router:
+            from tandem.router.registration import HeartbeatSender
+
+            heartbeat = HeartbeatSender(
+                router_url=args.router,
+                worker_url=args.advertise_url or f"http://{args.host}:{args.port}",
+                role=args.role,
+                model=settings.served_model_name,
+                token=args.cluster_token,
+            )
+            heartbeat.start()
+        logger.info("worker ready on http://%s:%d (role %s)", args.host, args.port, args.role)
+        try:
+            yield
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
+            await client.shutdown()
+
+    app = build_app(client, settings)
+    app.router.lifespan_context = lifespan
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    server.run()
+    if not started["ok"]:
+        print("tandem worker: the engine could not start (see the log above)", file=sys.stderr)
+        return 1
+    return 0

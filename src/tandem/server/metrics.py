@@ -1,0 +1,104 @@
+"""The worker's Prometheus metrics, in a registry of its own (no process-global state).
+
+Gauges mirror the engine core's latest stats; histograms and counters are fed by the HTTP layer
+as responses progress.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+# engine stat -> (gauge name, help)
+STAT_GAUGES = {
+    "kv_blocks_used": ("tandem_kv_cache_blocks_used", "KV blocks held by live requests and leases"),
+    "kv_blocks_total": ("tandem_kv_cache_blocks_total", "KV blocks in the cache"),
+    "requests_running": ("tandem_requests_running", "Requests in the running batch"),
+    "requests_waiting": ("tandem_requests_waiting", "Requests waiting (incl. for remote KV)"),
+    "prefix_cache_hit_rate": ("tandem_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)"),
+    "num_preemptions": ("tandem_preemptions", "Requests preempted so far"),
+    "kv_blocks_leased": ("tandem_kv_blocks_leased", "Blocks held for remote decoders"),
+    "kv_bytes_sent": ("tandem_kv_transfer_bytes_sent", "KV bytes sent to decoders"),
+    "kv_bytes_received": ("tandem_kv_transfer_bytes_received", "KV bytes received"),
+    "kv_blocks_sent": ("tandem_kv_transfer_blocks_sent", "KV blocks sent to decoders"),
+    "kv_blocks_received": ("tandem_kv_transfer_blocks_received", "KV blocks received"),
+}
+
+
+class WorkerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.gauges = {
+            key: Gauge(name, doc, labels, registry=self.registry)
+            for key, (name, doc) in STAT_GAUGES.items()
+        }
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "tandem_inter_token_latency_seconds",
+            "Time between tokens of a response",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "tandem_prompt_tokens", "Prompt tokens processed", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "tandem_generation_tokens", "Tokens generated", labels, registry=self.registry
+        )
+        self.requests = Counter(
+            "tandem_requests",
+            "Finished requests by finish reason",
+            labels + ["finish_reason"],
+            registry=self.registry,
+        )
+        self.kv_transfer_latency = Histogram(
+            "tandem_kv_transfer_seconds",
+            "Time to load one request's KV from a prefill worker",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.kv_failures = Counter(
+            "tandem_kv_transfer_failures",
+            "KV transfers that failed, by kind",
+            labels + ["kind"],
+            registry=self.registry,
+        )
+
+    def update_from_stats(self, stats: dict[str, Any]) -> None:
+        """Apply one stats report of the engine core (each report is seen exactly once)."""
+        queries = stats.get("prefix_cache_queries", 0)
+        hit_rate = stats.get("prefix_cache_hits", 0) / queries if queries else 0.0
+        stats = dict(stats, prefix_cache_hit_rate=hit_rate)
+        for key, gauge in self.gauges.items():
+            if key in stats:
+                gauge.labels(self.model_name).set(stats[key])
+        for seconds in stats.get("kv_transfer_seconds", ()):
+            self.kv_transfer_latency.labels(self.model_name).observe(seconds)
+        for kind, count in stats.get("kv_transfer_failures", {}).items():
+            self.kv_failures.labels(self.model_name, kind).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,143 @@
+"""OpenAI request bodies (pydantic) and their translation into engine settings.
+
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do; wrong types and
+out-of-range values are rejected with a sentence naming the field (the app turns them into 400s).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tandem.engine.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both endpoints share (OpenAI's and the common vLLM extensions)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def sampling_params(
+        self, logprobs: int | None, default_max_tokens: int | None
+    ) -> SamplingParams:
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: Prompt) -> Prompt:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError(
+                "prompt is empty; send a string, a list of token ids or a list of those"
+            )
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts this request holds (OpenAI allows a list of prompts)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(
+                part.get("text", "") for part in content if part.get("type") == "text"
+            )
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise ValueError("messages is empty; send at least one message")
+        return messages
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class KVReleaseRequest(BaseModel):
+    remote_request_id: str
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        503: "service_unavailable",
+    }.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
