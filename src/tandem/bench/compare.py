@@ -1,0 +1,163 @@
+"""`tandem bench compare`: the same sweep against a colocated and a PD cluster on this host.
+
+For each cluster in turn (colocated first, then PD): start `tandem serve` in its own process
+group, wait for `GET /health` == 200 on the router port, run the sweep of `tandem bench serve`,
+then stop the whole group (SIGINT, then SIGTERM, then SIGKILL, each after a grace period). Only one
+cluster runs at a time, so both get the same hardware. Writes RESULT_DIR/<label>*.json,
+RESULT_DIR/<label>-serve.log and the picture.
+
+Invariant: a cluster this command started is stopped before the command returns, whatever
+happened in between.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tandem.bench.errors import BenchError
+from tandem.bench.plot import plot_result_sets
+from tandem.bench.report import make_console
+from tandem.bench.results import ResultSet
+from tandem.bench.serve import load_tokenizer, options_from_args, run_sweep
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+STOP_GRACE_S = 30.0
+HEALTH_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One cluster to benchmark: its label and the `tandem serve` flags that shape it."""
+
+    label: str
+    shape_flags: tuple[str, ...]
+
+
+def clusters_for(args: argparse.Namespace) -> list[Cluster]:
+    num_colocated = args.num_colocated or args.num_prefill + args.num_decode
+    return [
+        Cluster("colocated", ("--both", str(num_colocated), "--prefill", "0", "--decode", "0")),
+        Cluster("pd", ("--prefill", str(args.num_prefill), "--decode", str(args.num_decode))),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def group_alive(process: subprocess.Popen[bytes]) -> bool:
+    """Whether any process of the group led by `process` is still there (reaping the leader)."""
+    process.poll()
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_group(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop the process group of `process`: SIGINT, then SIGTERM, then SIGKILL."""
+    for stop_signal in STOP_SIGNALS:
+        if not group_alive(process):
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, stop_signal)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and group_alive(process):
+            time.sleep(0.1)
+    process.wait()
+
+
+def wait_healthy(
+    process: subprocess.Popen[bytes], base_url: str, timeout_s: float, log_path: Path
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise BenchError(
+                f"the cluster exited with code {process.returncode} before it was healthy; "
+                f"see {log_path}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/health", timeout=5.0).status_code == 200:
+                return
+        time.sleep(HEALTH_POLL_S)
+    raise BenchError(
+        f"{base_url}/health did not answer 200 within {timeout_s:.0f} s; see {log_path} "
+        "(raise --startup-timeout if the model is slow to load)"
+    )
+
+
+@contextlib.contextmanager
+def running_cluster(
+    command: list[str], base_url: str, log_path: Path, startup_timeout_s: float
+) -> Iterator[None]:
+    """Start `command` in a new process group, yield once healthy, always stop the group."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            wait_healthy(process, base_url, startup_timeout_s, log_path)
+            yield
+        finally:
+            stop_group(process)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`tandem bench compare`."""
+    console = make_console()
+    result_dir = Path(args.result_dir)
+    serve_command = (
+        shlex.split(args.serve_command)
+        if args.serve_command
+        else [sys.executable, "-m", "tandem.cli", "serve"]
+    )
+    tokenizer = load_tokenizer(args.tokenizer)
+    result_sets = []
+    for cluster in clusters_for(args):
+        port = args.port or free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        command = [
+            *serve_command,
+            "--model",
+            args.model,
+            *cluster.shape_flags,
+            "--port",
+            str(port),
+            *shlex.split(args.serve_args),
+        ]
+        options = options_from_args(
+            args,
+            base_url=base_url,
+            model=args.served_model_name or args.model,
+            label=cluster.label,
+            result_dir=result_dir,
+            result_filename=cluster.label,
+        )
+        console.print(f"[bold]{cluster.label}[/bold]: {shlex.join(command)}")
+        log_path = result_dir / f"{cluster.label}-serve.log"
+        with running_cluster(command, base_url, log_path, args.startup_timeout):
+            outcome = asyncio.run(run_sweep(options, tokenizer, console))
+        result_sets.append(ResultSet(cluster.label, outcome.results))
+    output = Path(args.output) if args.output else result_dir / "compare.png"
+    plot_result_sets(result_sets, output, args.title, args.x_metric)
+    console.print(f"wrote {output}")
+    return 0

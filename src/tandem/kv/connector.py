@@ -1,0 +1,412 @@
+"""The PD connector: all KV-transfer bookkeeping, once, for every transport.
+
+Prefill side (a request with kv_transfer_params.do_remote_decode):
+
+    step that computes the prompt's last chunk
+      save_kv_layer(i): gather the request's blocks of layer i into staging (device -> host)
+                        and publish the transfer (decode may fetch layer i once it is copied)
+    request_finished (first token sampled, finish "length"):
+      keep the blocks under a lease, answer with kv_transfer_params
+    transport reports the decode's confirmation, or the lease expires, or release():
+      withdraw the transfer, report the request in finished_sending -> the scheduler frees blocks
+    finish "stop" on the first token (EOS, stop token): withdraw, free at once, no params
+
+Decode side (a request with kv_transfer_params.do_remote_prefill, carrying the first token):
+
+    get_num_new_matched_tokens: the prompt's tokens not in the local prefix cache, load async
+    update_state_after_alloc:   remember which local blocks receive which remote blocks
+    start_load_kv:              fetch in a background thread; each arriving layer is scattered
+                                into the local blocks (host -> device)
+    get_finished:               finished_recving / failed_recving -> the scheduler treats the
+                                prompt as computed, or recomputes it / fails the request (policy)
+    an aborted request whose load is still running keeps its blocks until the load ends
+
+Blocks of remote and local caches line up one to one: remote block k holds prompt tokens
+[k * block_size, (k + 1) * block_size), the same tokens as local block k of the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tandem.engine.kv_cache_manager import cdiv
+from tandem.engine.outputs import KVConnectorOutput, ScheduledRequest
+from tandem.engine.request import Request, RequestStatus
+from tandem.kv.base import KVConnector
+from tandem.kv.config import KVTransferConfig
+from tandem.kv.transport import KVTransferError, TransportFault
+
+logger = logging.getLogger(__name__)
+
+LOAD_THREADS = 4
+
+
+@dataclass
+class SaveSpec:
+    request_id: str
+    block_ids: list[int]  # the prompt's blocks
+
+
+@dataclass
+class LoadSpec:
+    request_id: str
+    remote: dict[str, Any]  # the prefill's kv_transfer_params
+    local_block_ids: list[int]  # receive remote blocks first_block .. of the prompt
+    first_block: int  # local prefix-cache hits cover the blocks before it
+
+
+@dataclass
+class ConnectorMetadata:
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass
+class Lease:
+    deadline: float
+    num_blocks: int
+    num_bytes: int
+    staging: list[torch.Tensor]
+    events: list[Any] = field(default_factory=list)  # CUDA events, one per layer
+
+
+def transport_params(request: Request) -> dict[str, Any]:
+    return request.kv_transfer_params or {}
+
+
+class PDConnector(KVConnector):
+    def __init__(self, config: KVTransferConfig, kv_spec, device: torch.device) -> None:
+        self.config = config
+        self.recompute_on_failure = config.load_failure_policy == "recompute"
+        self.kv_spec = kv_spec
+        self.block_size = kv_spec.block_size
+        self.device = device
+        self.kv_cache: torch.Tensor | None = None
+        self.lock = threading.Lock()
+        # prefill side
+        self.remote_decode: dict[str, Request] = {}
+        self.leases: dict[str, Lease] = {}  # published transfers, by request id
+        self.server = None
+        # decode side
+        self.load_attempted: set[str] = set()
+        self.new_loads: list[LoadSpec] = []
+        self.loading: set[str] = set()
+        self.abandoned_loads: set[str] = set()
+        self.client = None
+        self.executor: ThreadPoolExecutor | None = None
+        # reports, filled by transport threads, drained by get_finished / stats
+        self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.failed_recving: dict[str, str] = {}
+        self.counters = dict.fromkeys(
+            ("kv_bytes_sent", "kv_blocks_sent", "kv_bytes_received", "kv_blocks_received"), 0
+        )
+        self.new_transfer_seconds: list[float] = []
+        self.new_failures: dict[str, int] = {}
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._start_transport()
+
+    def _start_transport(self) -> None:
+        if self.config.transport != "tcp":
+            raise ValueError(f"KV transport {self.config.transport!r} is not available")
+        from tandem.kv.tcp_transport import TcpKVClient, TcpKVServer
+
+        if self.config.serves_kv:
+            fault = TransportFault.parse(self.config.fault) if self.config.fault else None
+            self.server = TcpKVServer(
+                self.config.host,
+                self.config.port,
+                on_transfer_done=self._on_transfer_done,
+                fault=fault,
+            )
+            logger.info("KV server listening on %s:%d", self.config.host, self.server.port)
+        if self.config.loads_kv:
+            self.client = TcpKVClient()
+            self.executor = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load")
+
+    # -- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
+        params = transport_params(request)
+        if params.get("do_remote_decode") and self.server is not None:
+            self.remote_decode[request.request_id] = request
+            return 0, False
+        if (
+            params.get("do_remote_prefill")
+            and self.client is not None
+            and request.request_id not in self.load_attempted
+        ):
+            self.load_attempted.add(request.request_id)
+            num_remote = request.num_prompt_tokens - num_local
+            if num_remote > 0:
+                return num_remote, True
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external: int
+    ) -> None:
+        num_prompt_blocks = cdiv(request.num_prompt_tokens, self.block_size)
+        first_block = (request.num_prompt_tokens - num_external) // self.block_size
+        self.new_loads.append(
+            LoadSpec(
+                request.request_id,
+                transport_params(request),
+                block_ids[first_block:num_prompt_blocks],
+                first_block,
+            )
+        )
+
+    def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
+        saves = [
+            SaveSpec(
+                item.request_id,
+                item.block_ids[: cdiv(item.start_position + len(item.token_ids), self.block_size)],
+            )
+            for item in scheduled
+            if item.sample and item.output_index == 0 and item.request_id in self.remote_decode
+        ]
+        loads, self.new_loads = self.new_loads, []
+        return ConnectorMetadata(saves, loads)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        self.load_attempted.discard(request_id)
+        with self.lock:
+            if request_id in self.loading:  # the load thread still writes into these blocks
+                self.abandoned_loads.add(request_id)
+                return True, None
+        if self.remote_decode.pop(request_id, None) is None:
+            return False, None
+        with self.lock:
+            lease = self.leases.get(request_id)
+        if lease is None:
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH or request.num_output_tokens != 1:
+            self._end_lease(request_id, report=False)
+            return False, None
+        lease.deadline = time.monotonic() + self.config.lease_timeout_s
+        num_blocks = cdiv(request.num_prompt_tokens, self.block_size)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": request_id,
+            "remote_block_ids": block_ids[:num_blocks],
+            "remote_host": self.config.host,
+            "remote_port": self.server.port,
+            "tp_size": 1,
+            "kv_transport": self.config.transport,
+            "first_token_id": request.output_token_ids[0],
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "block_size": self.block_size,
+            "kv_layout": self.kv_layout,
+        }
+
+    @property
+    def kv_layout(self) -> str:
+        spec = self.kv_spec
+        dtype = str(spec.dtype).removeprefix("torch.")
+        return f"{spec.num_layers}x2x{spec.num_kv_heads}x{spec.head_dim}:{dtype}"
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def save_kv_layer(self, layer_index: int, metadata: ConnectorMetadata | None) -> None:
+        if metadata is None or not metadata.saves:
+            return
+        for spec in metadata.saves:
+            if layer_index == 0:
+                self._publish(spec)
+            lease = self.leases.get(spec.request_id)
+            if lease is None:
+                continue
+            index = torch.tensor(spec.block_ids, device=self.device)
+            source = self.kv_cache[layer_index]  # [2, num_blocks, block_size, heads, dim]
+            if self.copy_stream is None:
+                torch.index_select(source, 1, index, out=lease.staging[layer_index])
+                continue
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                gathered = source.index_select(1, index)
+                lease.staging[layer_index].copy_(gathered, non_blocking=True)
+                lease.events[layer_index].record(self.copy_stream)
+
+    def _publish(self, spec: SaveSpec) -> None:
+        num_layers = self.kv_spec.num_layers
+        shape = (2, len(spec.block_ids), *self.kv_cache.shape[3:])
+        pin = self.device.type == "cuda"
+        staging = [
+            torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=pin) for _ in range(num_layers)
+        ]
+        events = [torch.cuda.Event() for _ in range(num_layers)] if pin else []
+        lease = Lease(
+            deadline=time.monotonic() + self.config.lease_timeout_s,
+            num_blocks=len(spec.block_ids),
+            num_bytes=sum(t.numel() * t.element_size() for t in staging),
+            staging=staging,
+            events=events,
+        )
+        wait_layer = (lambda i: events[i].synchronize()) if pin else None
+        with self.lock:
+            self.leases[spec.request_id] = lease
+        self.server.publish(spec.request_id, staging, wait_layer)
+
+    def start_load_kv(self, metadata: ConnectorMetadata | None) -> None:
+        if metadata is None:
+            return
+        for spec in metadata.loads:
+            with self.lock:
+                self.loading.add(spec.request_id)
+            self.executor.submit(self._load, spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        """Fetch one request's prompt KV and scatter it into its local blocks (load thread)."""
+        started = time.monotonic()
+        remote = spec.remote
+        num_remote_blocks = len(remote["remote_block_ids"])
+        shape = (2, num_remote_blocks, *self.kv_cache.shape[3:])
+        pin = self.device.type == "cuda"
+        staging = [
+            torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=pin)
+            for _ in range(self.kv_spec.num_layers)
+        ]
+        targets = torch.tensor(spec.local_block_ids, device=self.device)
+        stream = torch.cuda.Stream(self.device) if pin else None
+
+        def on_layer(layer_index: int) -> None:
+            received = staging[layer_index][:, spec.first_block :]
+            if stream is None:
+                self.kv_cache[layer_index].index_copy_(1, targets, received)
+                return
+            with torch.cuda.stream(stream):
+                on_device = received.to(self.device, non_blocking=True)
+                self.kv_cache[layer_index].index_copy_(1, targets, on_device)
+
+        try:
+            self._check_compatible(remote)
+            self.client.fetch(
+                remote["remote_host"],
+                int(remote["remote_port"]),
+                remote["remote_request_id"],
+                staging,
+                timeout=self.config.transfer_timeout_s,
+                on_layer=on_layer,
+            )
+            if stream is not None:
+                stream.synchronize()
+            failure = None
+        except KVTransferError as exc:
+            failure = exc.kind
+            logger.warning("KV load of %s failed: %s", spec.request_id, exc)
+        except Exception:
+            failure = "error"
+            logger.exception("KV load of %s failed", spec.request_id)
+        num_bytes = sum(t.numel() * t.element_size() for t in staging)
+        with self.lock:
+            self.loading.discard(spec.request_id)
+            if failure is None:
+                self.counters["kv_bytes_received"] += num_bytes
+                self.counters["kv_blocks_received"] += num_remote_blocks
+                self.new_transfer_seconds.append(time.monotonic() - started)
+            else:
+                self.new_failures[failure] = self.new_failures.get(failure, 0) + 1
+            if spec.request_id in self.abandoned_loads:
+                self.abandoned_loads.discard(spec.request_id)
+                self.finished_sending.add(spec.request_id)  # frees the blocks it held
+            elif failure is None:
+                self.finished_recving.add(spec.request_id)
+            else:
+                self.failed_recving[spec.request_id] = failure
+
+    def _check_compatible(self, remote: dict[str, Any]) -> None:
+        if remote.get("kv_transport", "tcp") != self.config.transport:
+            raise KVTransferError(
+                "mismatch", f"the prefill worker uses transport {remote.get('kv_transport')!r}"
+            )
+        if remote.get("block_size") != self.block_size or remote.get("kv_layout") != self.kv_layout:
+            raise KVTransferError(
+                "mismatch",
+                f"the prefill worker's KV layout ({remote.get('kv_layout')}, block size "
+                f"{remote.get('block_size')}) differs from this worker's ({self.kv_layout}, "
+                f"block size {self.block_size})",
+            )
+
+    def get_finished(self) -> KVConnectorOutput | None:
+        now = time.monotonic()
+        expired = [rid for rid, lease in list(self.leases.items()) if lease.deadline < now]
+        for request_id in expired:
+            logger.info("KV lease of %s expired", request_id)
+            self._end_lease(request_id, report=True)
+        with self.lock:
+            if not (self.finished_sending or self.finished_recving or self.failed_recving):
+                return None
+            output = KVConnectorOutput(
+                self.finished_recving, self.failed_recving, self.finished_sending
+            )
+            self.finished_recving, self.failed_recving, self.finished_sending = set(), {}, set()
+        return output
+
+    # -- both sides ------------------------------------------------------------------------------
+
+    def _on_transfer_done(self, request_id: str, ok: bool) -> None:
+        """Transport thread: the decode confirmed (ok) or a fetch broke (not ok)."""
+        if not ok:
+            with self.lock:
+                self.new_failures["send"] = self.new_failures.get("send", 0) + 1
+            return
+        with self.lock:
+            lease = self.leases.pop(request_id, None)
+            if lease is None:
+                return
+            self.counters["kv_bytes_sent"] += lease.num_bytes
+            self.counters["kv_blocks_sent"] += lease.num_blocks
+            self.finished_sending.add(request_id)
+
+    def _end_lease(self, request_id: str, report: bool) -> None:
+        with self.lock:
+            lease = self.leases.pop(request_id, None)
+            if lease is not None and report:
+                self.finished_sending.add(request_id)
+        if lease is not None:
+            self.server.withdraw(request_id)
+
+    def release(self, remote_request_id: str) -> None:
+        if remote_request_id in self.leases and remote_request_id not in self.remote_decode:
+            self._end_lease(remote_request_id, report=True)
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            stats: dict[str, Any] = dict(self.counters)
+            stats["kv_blocks_leased"] = sum(lease.num_blocks for lease in self.leases.values())
+            stats["kv_transfer_seconds"], self.new_transfer_seconds = self.new_transfer_seconds, []
+            stats["kv_transfer_failures"], self.new_failures = self.new_failures, {}
+        return stats
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.client is not None:
+            self.client.close()
+
+
+def connector_factory(config: KVTransferConfig):
+    """What EngineCore calls, once its KV cache is planned, to build this worker's connector."""
+
+    def build(core) -> PDConnector:
+        return PDConnector(config, core.kv_spec, core.device)
+
+    return build

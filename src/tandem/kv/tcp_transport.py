@@ -1,0 +1,583 @@
+"""TCP KV transport: decode workers pull per-layer staging tensors from a prefill worker's server.
+
+The prefill side publishes, per transfer, one contiguous CPU tensor per layer (pinned on CUDA
+hosts); the decode side receives each layer straight into a preallocated contiguous CPU tensor.
+Bytes go between socket and tensor memory through uint8 views (`sendall` / `recv_into`): no
+per-block Python objects, no intermediate copies. This module moves bytes only; see
+`tandem.kv.transport` for the contract shared by all transports.
+
+Wire format. One connection carries any number of fetches, one after another; every message is a
+20-byte header, then `length` payload bytes:
+
+    header = magic b"TKV1" | type u8 | 3 pad bytes | layer u32 | length u64     (big-endian)
+
+    client -> server  FETCH    msgpack {"transfer_id": str, "layer_nbytes": [int, ...]}
+    server -> client  LAYER    layer = i, payload = layer i's raw bytes (each layer once, in order)
+    client -> server  CONFIRM  empty: every layer arrived
+    server -> client  DONE     empty: the confirmation is recorded (the transfer is forgotten)
+    server -> client  ERROR    msgpack {"kind": str, "message": str}: the fetch ended; the
+                               connection stays usable
+
+    FETCH ─▶ ◀─ LAYER 0 ◀─ LAYER 1 … ◀─ LAYER n-1   CONFIRM ─▶ ◀─ DONE
+         └─▶ ◀─ ERROR (not_found / mismatch / aborted), at the start or between layers
+
+Threads: the server runs one accept thread plus one thread per connection; `wait_layer` and the
+`on_transfer_done` callback run on the connection's thread (the callback outside the server's lock,
+so it may call publish/withdraw). Anything unexpected from a client (garbage, a drop, silence past
+`io_timeout`) ends that connection only; a fetch that breaks that way reports
+on_transfer_done(id, False) if the transfer is still published, and leaves it published.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+import torch
+
+from tandem.kv.transport import (
+    TRANSFER_ERROR_KINDS,
+    KVTransferError,
+    TransferDoneCallback,
+    TransportClient,
+    TransportFault,
+    TransportServer,
+)
+
+logger = logging.getLogger(__name__)
+
+SOCKET_BUFFER_BYTES = 4 << 20
+MAX_CONTROL_BYTES = 1 << 20
+
+_HEADER = struct.Struct("!4sB3xIQ")
+_MAGIC = b"TKV1"
+_FETCH = 1
+_LAYER = 2
+_CONFIRM = 3
+_DONE = 4
+_ERROR = 5
+
+
+class _FetchRequest(msgspec.Struct):
+    transfer_id: str
+    layer_nbytes: list[int]
+
+
+class _ErrorReply(msgspec.Struct):
+    kind: str
+    message: str
+
+
+_fetch_decoder = msgspec.msgpack.Decoder(_FetchRequest)
+_error_decoder = msgspec.msgpack.Decoder(_ErrorReply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class _ProtocolError(Exception):
+    """The peer sent something that is not this protocol, or closed mid-message."""
+
+
+class _InjectedDrop(Exception):
+    """A TransportFault asked the server to drop the connection here."""
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor as a flat byte view (shared, not copied)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"KV staging tensors must be contiguous CPU tensors, got device={tensor.device} "
+            f"contiguous={tensor.is_contiguous()}"
+        )
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _configure_socket(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the socket. With a deadline, raise TimeoutError once it passes; without,
+    the socket's own timeout bounds each wait."""
+    total = len(view)
+    received = 0
+    while received < total:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("deadline passed")
+            sock.settimeout(remaining)
+        count = sock.recv_into(view[received:], total - received)
+        if count == 0:
+            raise _ProtocolError(f"peer closed the connection after {received} of {total} bytes")
+        received += count
+
+
+def _recv_header(
+    sock: socket.socket, buffer: bytearray, deadline: float | None = None
+) -> tuple[int, int, int] | None:
+    """Read one header: (type, layer, length), or None if the peer closed before its first byte."""
+    view = memoryview(buffer)
+    if deadline is not None:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    first = sock.recv_into(view, len(buffer))
+    if first == 0:
+        return None
+    _recv_exact(sock, view[first:], deadline)
+    magic, message_type, layer, length = _HEADER.unpack(buffer)
+    if magic != _MAGIC:
+        raise _ProtocolError(f"bad magic {magic!r}")
+    return message_type, layer, length
+
+
+def _recv_control(
+    sock: socket.socket, length: int, deadline: float | None = None
+) -> bytes | bytearray:
+    if length > MAX_CONTROL_BYTES:
+        raise _ProtocolError(f"control message of {length} bytes is over {MAX_CONTROL_BYTES}")
+    payload = bytearray(length)
+    _recv_exact(sock, memoryview(payload), deadline)
+    return payload
+
+
+def _send_message(sock: socket.socket, message_type: int, payload: bytes = b"") -> None:
+    sock.sendall(_HEADER.pack(_MAGIC, message_type, 0, len(payload)) + payload)
+
+
+@dataclass(eq=False)
+class _Transfer:
+    layers: list[memoryview]
+    wait_layer: Callable[[int], None] | None
+    withdrawn: threading.Event = field(default_factory=threading.Event)
+
+
+class TcpKVServer(TransportServer):
+    """Prefill side: serves published transfers to decode workers over TCP.
+
+    io_timeout bounds each wait on a client during a fetch: the send of one layer (so a layer
+    must move at no less than its size / io_timeout) and the wait for CONFIRM. idle_timeout closes
+    connections that carry no request for that long.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        on_transfer_done: TransferDoneCallback | None = None,
+        fault: TransportFault | None = None,
+        io_timeout: float = 30.0,
+        idle_timeout: float = 300.0,
+    ) -> None:
+        self._on_transfer_done = on_transfer_done
+        self._fault = fault
+        self._io_timeout = io_timeout
+        self._idle_timeout = idle_timeout
+        self._lock = threading.Lock()
+        self._transfers: dict[str, _Transfer] = {}
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._num_faulted_fetches = 0
+        self._connections_accepted = 0
+        self._closing = threading.Event()
+
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        self._listener = socket.socket(family, kind, proto)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            _configure_socket(self._listener)
+            self._listener.bind(address)
+            self._listener.listen(128)
+        except OSError:
+            self._listener.close()
+            raise
+        self.host = host
+        self.port: int = self._listener.getsockname()[1]
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"kv-tcp-accept-{self.port}", daemon=True
+        )
+        self._accept_thread.start()
+
+    @property
+    def connections_accepted(self) -> int:
+        """How many client connections this server has accepted so far."""
+        return self._connections_accepted
+
+    def publish(
+        self,
+        transfer_id: str,
+        layers: Sequence[torch.Tensor],
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> None:
+        """Make `layers` (contiguous CPU tensors, any dtype) fetchable under transfer_id.
+
+        wait_layer(i) blocks until layer i's bytes are valid; layer i is sent only after it
+        returns. The tensors must stay untouched until the transfer is done or withdrawn.
+        """
+        transfer = _Transfer([_byte_view(layer) for layer in layers], wait_layer)
+        with self._lock:
+            if self._closing.is_set():
+                raise RuntimeError("the KV server is closed")
+            if transfer_id in self._transfers:
+                raise ValueError(f"transfer {transfer_id!r} is already published")
+            self._transfers[transfer_id] = transfer
+
+    def withdraw(self, transfer_id: str) -> None:
+        """Forget the transfer (no-op when unknown); a fetch in progress ends with "aborted"."""
+        with self._lock:
+            transfer = self._transfers.pop(transfer_id, None)
+        if transfer is not None:
+            transfer.withdrawn.set()
+
+    def close(self) -> None:
+        """Stop accepting, forget every transfer, end every connection and join the threads."""
+        with self._lock:
+            self._closing.set()
+            transfers = list(self._transfers.values())
+            self._transfers.clear()
+            connections = dict(self._connections)
+        for transfer in transfers:
+            transfer.withdrawn.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._accept_thread.join(timeout=5.0)
+        for thread in connections.values():
+            thread.join(timeout=5.0)
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                if self._closing.is_set():
+                    return
+                logger.warning("KV server on port %d: accept failed", self.port, exc_info=True)
+                self._closing.wait(0.05)
+                continue
+            thread = threading.Thread(
+                target=self._serve_connection,
+                args=(connection,),
+                name=f"kv-tcp-conn-{self.port}",
+                daemon=True,
+            )
+            with self._lock:
+                if self._closing.is_set():
+                    connection.close()
+                    return
+                self._connections[connection] = thread
+                self._connections_accepted += 1
+            thread.start()
+
+    def _serve_connection(self, connection: socket.socket) -> None:
+        header = bytearray(_HEADER.size)
+        try:
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not self._closing.is_set():
+                connection.settimeout(self._idle_timeout)
+                message = _recv_header(connection, header)
+                if message is None:
+                    return
+                message_type, _, length = message
+                if message_type != _FETCH:
+                    raise _ProtocolError(f"expected FETCH, got message type {message_type}")
+                connection.settimeout(self._io_timeout)
+                request = _fetch_decoder.decode(_recv_control(connection, length))
+                self._serve_fetch(connection, request, header)
+        except (OSError, _ProtocolError, _InjectedDrop, msgspec.DecodeError) as exc:
+            logger.debug("KV server on port %d: connection ended: %r", self.port, exc)
+        except Exception:
+            logger.exception("KV server on port %d: connection handler failed", self.port)
+        finally:
+            with self._lock:
+                self._connections.pop(connection, None)
+            connection.close()
+
+    def _serve_fetch(
+        self, connection: socket.socket, request: _FetchRequest, header: bytearray
+    ) -> None:
+        """Serve one fetch. Returns with the connection ready for the next request; raises (after
+        reporting a broken fetch) when the connection must close."""
+        transfer_id = request.transfer_id
+        with self._lock:
+            transfer = self._transfers.get(transfer_id)
+            fault = self._take_fault() if transfer is not None else None
+        if transfer is None:
+            self._send_error(connection, "not_found", f"no published transfer {transfer_id!r}")
+            return
+        published_nbytes = [len(layer) for layer in transfer.layers]
+        if request.layer_nbytes != published_nbytes:
+            self._report_done(transfer_id, transfer, False)
+            self._send_error(
+                connection,
+                "mismatch",
+                f"transfer {transfer_id!r} has layers of {published_nbytes} bytes, "
+                f"the destination has {request.layer_nbytes}",
+            )
+            return
+        try:
+            outcome = self._stream_layers(connection, transfer_id, transfer, fault, header)
+        except BaseException:
+            self._report_done(transfer_id, transfer, False)
+            raise
+        if outcome == "confirmed":
+            self._finish(connection, transfer_id, transfer)
+        elif outcome == "failed":
+            self._report_done(transfer_id, transfer, False)
+
+    def _stream_layers(
+        self,
+        connection: socket.socket,
+        transfer_id: str,
+        transfer: _Transfer,
+        fault: TransportFault | None,
+        header: bytearray,
+    ) -> Literal["confirmed", "withdrawn", "failed"]:
+        """Send every layer, then wait for CONFIRM. Raises when the connection must close."""
+        drop_at = None
+        if fault is not None:
+            self._closing.wait(fault.delay_s)
+            if fault.drop_after_layers is not None:
+                drop_at = min(fault.drop_after_layers, len(transfer.layers))
+        for index, layer in enumerate(transfer.layers):
+            if drop_at == index:
+                raise _InjectedDrop(f"injected drop after {index} layers")
+            if transfer.wait_layer is not None:
+                try:
+                    transfer.wait_layer(index)
+                except Exception as exc:
+                    logger.exception("wait_layer(%d) of transfer %r failed", index, transfer_id)
+                    self._send_error(connection, "aborted", f"layer {index} failed: {exc!r}")
+                    return "failed"
+            if transfer.withdrawn.is_set():
+                self._send_error(connection, "aborted", f"transfer {transfer_id!r} was withdrawn")
+                return "withdrawn"
+            connection.sendall(_HEADER.pack(_MAGIC, _LAYER, index, len(layer)))
+            connection.sendall(layer)
+        if drop_at == len(transfer.layers):
+            raise _InjectedDrop(f"injected drop after all {drop_at} layers, before CONFIRM")
+        message = _recv_header(connection, header)
+        if message is None or message[0] != _CONFIRM or message[2] != 0:
+            raise _ProtocolError(f"expected CONFIRM, got {message}")
+        return "confirmed"
+
+    def _finish(self, connection: socket.socket, transfer_id: str, transfer: _Transfer) -> None:
+        with self._lock:
+            completed = self._transfers.get(transfer_id) is transfer
+            if completed:
+                del self._transfers[transfer_id]
+        if not completed:
+            self._send_error(connection, "aborted", f"transfer {transfer_id!r} was withdrawn")
+            return
+        try:
+            _send_message(connection, _DONE)
+        finally:
+            self._call_done(transfer_id, True)
+
+    def _take_fault(self) -> TransportFault | None:
+        """The fault to inject into the fetch starting now (call under the lock)."""
+        fault = self._fault
+        if fault is None or (fault.times is not None and self._num_faulted_fetches >= fault.times):
+            return None
+        self._num_faulted_fetches += 1
+        return fault
+
+    def _report_done(self, transfer_id: str, transfer: _Transfer, ok: bool) -> None:
+        with self._lock:
+            published = self._transfers.get(transfer_id) is transfer
+        if published:
+            self._call_done(transfer_id, ok)
+
+    def _call_done(self, transfer_id: str, ok: bool) -> None:
+        if self._on_transfer_done is None:
+            return
+        try:
+            self._on_transfer_done(transfer_id, ok)
+        except Exception:
+            logger.exception("on_transfer_done(%r, %s) failed", transfer_id, ok)
+
+    @staticmethod
+    def _send_error(connection: socket.socket, kind: str, message: str) -> None:
+        _send_message(connection, _ERROR, _encoder.encode(_ErrorReply(kind, message)))
+
+
+class TcpKVClient(TransportClient):
+    """Decode side: fetches transfers from TcpKVServers, reusing one idle connection per fetch.
+
+    Thread-safe: concurrent fetches each take their own connection; a connection goes back to the
+    idle pool (at most `max_idle_per_peer` per (host, port)) only after a fetch that ended cleanly.
+    """
+
+    def __init__(self, *, max_idle_per_peer: int = 8) -> None:
+        self._max_idle_per_peer = max_idle_per_peer
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._closed = False
+
+    def fetch(
+        self,
+        host: str,
+        port: int,
+        transfer_id: str,
+        dest_layers: Sequence[torch.Tensor],
+        *,
+        timeout: float,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> None:
+        """Receive every layer into dest_layers (contiguous CPU tensors of the published byte
+        sizes), calling on_layer(i) as each arrives, then confirm. When this returns, the server
+        has recorded the confirmation and forgotten the transfer; its on_transfer_done(id, True)
+        runs right after it sent that answer. Raises KVTransferError on timeout (overall deadline),
+        connection loss, unknown id, withdrawal or a size mismatch; an exception from on_layer
+        propagates as is."""
+        deadline = time.monotonic() + timeout
+        views = [_byte_view(layer) for layer in dest_layers]
+        peer = (host, port)
+        connection = self._checkout(peer, deadline)
+        try:
+            error = self._exchange(connection, transfer_id, views, deadline, on_layer)
+        except BaseException as exc:
+            connection.close()
+            if isinstance(exc, TimeoutError):
+                raise KVTransferError(
+                    "timeout", f"fetch of {transfer_id!r} from {host}:{port} passed {timeout} s"
+                ) from exc
+            if isinstance(exc, (OSError, _ProtocolError, msgspec.DecodeError)):
+                raise KVTransferError(
+                    "connection", f"fetch of {transfer_id!r} from {host}:{port} broke: {exc!r}"
+                ) from exc
+            raise
+        self._checkin(peer, connection)
+        if error is not None:
+            raise KVTransferError(error.kind, error.message)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Close every idle connection; later fetches are refused."""
+        with self._lock:
+            self._closed = True
+            idle = [connection for pool in self._idle.values() for connection in pool]
+            self._idle.clear()
+        for connection in idle:
+            connection.close()
+
+    def _exchange(
+        self,
+        connection: socket.socket,
+        transfer_id: str,
+        views: list[memoryview],
+        deadline: float,
+        on_layer: Callable[[int], None] | None,
+    ) -> _ErrorReply | None:
+        """Run one fetch on the connection: None on DONE, the server's ERROR reply otherwise."""
+        request = _encoder.encode(_FetchRequest(transfer_id, [len(view) for view in views]))
+        connection.settimeout(max(deadline - time.monotonic(), 1e-3))
+        _send_message(connection, _FETCH, request)
+        header = bytearray(_HEADER.size)
+        for index, view in enumerate(views):
+            message_type, layer, length = self._recv_reply(connection, header, deadline)
+            if message_type == _ERROR:
+                return self._decode_error(connection, length, deadline)
+            if message_type != _LAYER or layer != index or length != len(view):
+                raise _ProtocolError(
+                    f"expected layer {index} of {len(view)} bytes, got message type "
+                    f"{message_type} layer {layer} of {length} bytes"
+                )
+            _recv_exact(connection, view, deadline)
+            if on_layer is not None:
+                on_layer(index)
+        connection.settimeout(max(deadline - time.monotonic(), 1e-3))
+        _send_message(connection, _CONFIRM)
+        message_type, _, length = self._recv_reply(connection, header, deadline)
+        if message_type == _ERROR:
+            return self._decode_error(connection, length, deadline)
+        if message_type != _DONE or length != 0:
+            raise _ProtocolError(f"expected DONE, got message type {message_type}")
+        return None
+
+    @staticmethod
+    def _recv_reply(
+        connection: socket.socket, header: bytearray, deadline: float
+    ) -> tuple[int, int, int]:
+        message = _recv_header(connection, header, deadline)
+        if message is None:
+            raise _ProtocolError("the server closed the connection")
+        return message
+
+    @staticmethod
+    def _decode_error(connection: socket.socket, length: int, deadline: float) -> _ErrorReply:
+        error = _error_decoder.decode(_recv_control(connection, length, deadline))
+        if error.kind not in TRANSFER_ERROR_KINDS:
+            raise _ProtocolError(f"unknown error kind {error.kind!r}")
+        return error
+
+    def _checkout(self, peer: tuple[str, int], deadline: float) -> socket.socket:
+        """An idle live connection to the peer, or a new one."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise KVTransferError("connection", "the KV client is closed")
+                pool = self._idle.get(peer)
+                connection = pool.pop() if pool else None
+            if connection is None:
+                return self._connect(peer, deadline)
+            if _is_alive(connection):
+                return connection
+            connection.close()
+
+    def _checkin(self, peer: tuple[str, int], connection: socket.socket) -> None:
+        with self._lock:
+            pool = self._idle.setdefault(peer, [])
+            if not self._closed and len(pool) < self._max_idle_per_peer:
+                pool.append(connection)
+                return
+        connection.close()
+
+    @staticmethod
+    def _connect(peer: tuple[str, int], deadline: float) -> socket.socket:
+        host, port = peer
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM
+            )[0]
+            connection = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise KVTransferError("connection", f"cannot resolve {host}:{port}: {exc}") from exc
+        try:
+            _configure_socket(connection)
+            connection.settimeout(max(deadline - time.monotonic(), 1e-3))
+            connection.connect(address)
+        except TimeoutError as exc:
+            connection.close()
+            raise KVTransferError("timeout", f"connecting to {host}:{port} timed out") from exc
+        except OSError as exc:
+            connection.close()
+            raise KVTransferError("connection", f"cannot connect to {host}:{port}: {exc}") from exc
+        return connection
+
+
+def _is_alive(connection: socket.socket) -> bool:
+    """Whether an idle connection is still open: no EOF, no error, no unread bytes pending."""
+    try:
+        connection.setblocking(False)
+        connection.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -1,0 +1,138 @@
+"""What every KV transport offers the connector: a server, a client, errors and fault injection.
+
+A transport moves the bytes of per-layer staging tensors from the prefill worker (server side) to
+the decode worker (client side) and reports what happened; the connector does the bookkeeping
+(which blocks, leases, freeing). Invariants every implementation keeps:
+
+* `publish` and `withdraw` never wait on the network: the engine loop calls them.
+* Layer i is delivered only after the publisher's `wait_layer(i)` returned, and layers arrive in
+  order, so decode can consume early layers while prefill is still producing later ones.
+* `on_transfer_done(transfer_id, True)` is called once, when a decode worker confirmed it received
+  every layer; the transfer is then forgotten. `on_transfer_done(transfer_id, False)` is called
+  each time a fetch of a still-published transfer breaks; the transfer stays published, the
+  connector decides whether to withdraw it or let decode retry.
+* Every failure a fetch reports is a `KVTransferError` whose `kind` says what went wrong.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+KVTransferErrorKind = Literal["timeout", "connection", "not_found", "aborted", "mismatch"]
+TRANSFER_ERROR_KINDS: tuple[str, ...] = get_args(KVTransferErrorKind)
+
+TransferDoneCallback = Callable[[str, bool], None]
+
+
+class KVTransferError(RuntimeError):
+    """A fetch that did not deliver every layer.
+
+    kind: "timeout" (the fetch's overall deadline passed), "connection" (could not connect, or the
+    connection broke or carried something that is not the protocol), "not_found" (the server has no
+    transfer under that id), "aborted" (the transfer was withdrawn, or its producer failed, during
+    the fetch), "mismatch" (the destination tensors' byte sizes differ from the published ones).
+    """
+
+    def __init__(self, kind: KVTransferErrorKind, message: str) -> None:
+        if kind not in TRANSFER_ERROR_KINDS:
+            raise ValueError(f"unknown KV transfer error kind {kind!r}")
+        super().__init__(f"{kind}: {message}")
+        self.kind: KVTransferErrorKind = kind
+
+
+@dataclass(frozen=True)
+class TransportFault:
+    """Faults a server injects into its fetches, for testing the layers above the transport.
+
+    drop_after_layers: close the connection after sending that many layers (0: before any; the
+        number of layers or more: after every layer, before the confirmation).
+    delay_s: sleep this long before sending the first layer.
+    times: inject into the first `times` fetches only; None injects into every fetch.
+    """
+
+    drop_after_layers: int | None = None
+    delay_s: float = 0.0
+    times: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.drop_after_layers is not None and self.drop_after_layers < 0:
+            raise ValueError("drop_after_layers must be >= 0")
+        if self.delay_s < 0:
+            raise ValueError("delay_s must be >= 0")
+        if self.times is not None and self.times < 1:
+            raise ValueError("times must be >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> TransportFault:
+        """Parse comma-separated `key:value` items: `drop:N`, `delay:SECONDS`, `times:N`.
+
+        Examples: "drop:1", "delay:5", "delay:0.5,drop:2,times:1".
+        """
+        fields: dict[str, float | int] = {}
+        for item in text.split(","):
+            key, sep, value = item.strip().partition(":")
+            try:
+                if not sep:
+                    raise ValueError
+                if key == "drop":
+                    fields["drop_after_layers"] = int(value)
+                elif key == "delay":
+                    fields["delay_s"] = float(value)
+                elif key == "times":
+                    fields["times"] = int(value)
+                else:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    f"bad transport fault item {item.strip()!r} in {text!r}: "
+                    "use drop:LAYERS, delay:SECONDS or times:FETCHES, separated by commas"
+                ) from None
+        return cls(**fields)
+
+
+class TransportServer(ABC):
+    """Prefill side: makes published per-layer tensors fetchable by decode workers."""
+
+    @abstractmethod
+    def publish(
+        self,
+        transfer_id: str,
+        layers: Sequence[torch.Tensor],
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> None:
+        """Make `layers` fetchable under transfer_id; layer i goes out after wait_layer(i)."""
+
+    @abstractmethod
+    def withdraw(self, transfer_id: str) -> None:
+        """Forget a transfer (no-op when unknown); a fetch in progress ends with "aborted"."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving and forget every transfer."""
+
+
+class TransportClient(ABC):
+    """Decode side: pulls a published transfer into preallocated per-layer tensors."""
+
+    @abstractmethod
+    def fetch(
+        self,
+        host: str,
+        port: int,
+        transfer_id: str,
+        dest_layers: Sequence[torch.Tensor],
+        *,
+        timeout: float,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> None:
+        """Receive every layer, calling on_layer(i) as each arrives, then confirm; raises
+        KVTransferError on failure."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every connection."""

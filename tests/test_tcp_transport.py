@@ -1,0 +1,511 @@
+"""Tests of the TCP KV transport: bytes, layer pacing, every failure path, concurrency, and a
+transfer between two network namespaces joined by a veth pair."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+import tandem
+from tandem.kv.tcp_transport import TcpKVClient, TcpKVServer
+from tandem.kv.transport import KVTransferError, TransportFault
+
+# The documented wire format, written out independently of the module.
+WIRE_HEADER = struct.Struct("!4sB3xIQ")
+FETCH, LAYER, CONFIRM = 1, 2, 3
+
+
+class DoneRecorder:
+    """Collects on_transfer_done calls; lets a test wait for them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+        self._condition = threading.Condition()
+
+    def __call__(self, transfer_id: str, ok: bool) -> None:
+        with self._condition:
+            self.calls.append((transfer_id, ok))
+            self._condition.notify_all()
+
+    def wait_for(self, count: int, timeout: float = 5.0) -> list[tuple[str, bool]]:
+        with self._condition:
+            self._condition.wait_for(lambda: len(self.calls) >= count, timeout)
+            return list(self.calls)
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., tuple[TcpKVServer, DoneRecorder]]]:
+    servers: list[TcpKVServer] = []
+
+    def make(**kwargs: object) -> tuple[TcpKVServer, DoneRecorder]:
+        recorder = DoneRecorder()
+        server = TcpKVServer("127.0.0.1", 0, on_transfer_done=recorder, **kwargs)
+        servers.append(server)
+        return server, recorder
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def client() -> Iterator[TcpKVClient]:
+    kv_client = TcpKVClient()
+    yield kv_client
+    kv_client.close()
+
+
+def make_layers(seed: int, num_layers: int = 4, num_blocks: int = 5) -> list[torch.Tensor]:
+    """Staging tensors [2, blocks, block_size, kv_heads, head_dim], float32 and bfloat16 mixed."""
+    generator = torch.Generator().manual_seed(seed)
+    layers = []
+    for index in range(num_layers):
+        dtype = torch.float32 if index % 2 == 0 else torch.bfloat16
+        layers.append(torch.randn(2, num_blocks, 16, 3, 64, generator=generator).to(dtype))
+    return layers
+
+
+def layer_bytes(layer: torch.Tensor) -> bytes:
+    return layer.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same_layers(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for index, (got_layer, want_layer) in enumerate(zip(got, want, strict=True)):
+        assert got_layer.dtype == want_layer.dtype, f"layer {index}"
+        assert layer_bytes(got_layer) == layer_bytes(want_layer), f"layer {index} differs"
+
+
+def zeros_like_all(layers: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.zeros_like(layer) for layer in layers]
+
+
+def fetch_in_thread(
+    client: TcpKVClient, port: int, transfer_id: str, dest: list[torch.Tensor], **kwargs: object
+) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            client.fetch("127.0.0.1", port, transfer_id, dest, **kwargs)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
+def raw_connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5.0)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed the connection (an orderly close, or a reset when it left
+    unread bytes behind)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def raw_fetch_request(transfer_id: str, layers: list[torch.Tensor]) -> bytes:
+    payload = msgspec.msgpack.encode(
+        {"transfer_id": transfer_id, "layer_nbytes": [t.numel() * t.element_size() for t in layers]}
+    )
+    return WIRE_HEADER.pack(b"TKV1", FETCH, 0, len(payload)) + payload
+
+
+def raw_recv_exact(sock: socket.socket, count: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < count:
+        chunk = sock.recv(count - len(chunks))
+        assert chunk, "server closed the connection early"
+        chunks += chunk
+    return bytes(chunks)
+
+
+def test_round_trip_float32_and_bfloat16(make_server, client):
+    server, done = make_server()
+    layers = make_layers(seed=0, num_layers=6)
+    layers.append(torch.arange(-50, 50, dtype=torch.int8))
+    server.publish("req-1", layers)
+    dest = zeros_like_all(layers)
+    arrived: list[int] = []
+
+    client.fetch("127.0.0.1", server.port, "req-1", dest, timeout=10.0, on_layer=arrived.append)
+
+    assert arrived == list(range(len(layers)))
+    assert_same_layers(dest, layers)
+    assert done.wait_for(1) == [("req-1", True)]
+    with pytest.raises(KVTransferError) as info:
+        client.fetch("127.0.0.1", server.port, "req-1", dest, timeout=5.0)
+    assert info.value.kind == "not_found"
+
+
+def test_layer_is_sent_only_after_wait_layer_returns(make_server, client):
+    server, done = make_server()
+    expected = make_layers(seed=1, num_layers=3)
+    staging = [expected[0].clone(), torch.zeros_like(expected[1]), torch.zeros_like(expected[2])]
+    layer_one_waiting = threading.Event()
+    release_layer_one = threading.Event()
+
+    def wait_layer(index: int) -> None:
+        if index == 1:
+            layer_one_waiting.set()
+            assert release_layer_one.wait(10.0)
+        if index > 0:
+            staging[index].copy_(expected[index])  # the bytes become valid only now
+
+    arrival_times: dict[int, float] = {}
+    layer_zero_arrived = threading.Event()
+
+    def on_layer(index: int) -> None:
+        arrival_times[index] = time.monotonic()
+        if index == 0:
+            layer_zero_arrived.set()
+
+    server.publish("req-paced", staging, wait_layer=wait_layer)
+    dest = zeros_like_all(expected)
+    thread, errors = fetch_in_thread(
+        client, server.port, "req-paced", dest, timeout=10.0, on_layer=on_layer
+    )
+    assert layer_zero_arrived.wait(5.0)
+    assert layer_one_waiting.wait(5.0)
+    time.sleep(0.2)
+    assert sorted(arrival_times) == [0], "layer 1 went out before wait_layer(1) returned"
+    released_at = time.monotonic()
+    release_layer_one.set()
+    thread.join(10.0)
+
+    assert errors == []
+    assert sorted(arrival_times) == [0, 1, 2]
+    assert arrival_times[0] < released_at < arrival_times[1] < arrival_times[2]
+    assert_same_layers(dest, expected)
+    assert done.wait_for(1) == [("req-paced", True)]
+
+
+def test_unknown_id_is_not_found_and_the_connection_is_reused(make_server, client):
+    server, done = make_server()
+    layers = make_layers(seed=2, num_layers=2)
+    with pytest.raises(KVTransferError) as info:
+        client.fetch("127.0.0.1", server.port, "never-published", layers, timeout=5.0)
+    assert info.value.kind == "not_found"
+
+    server.publish("req-2", layers)
+    dest = zeros_like_all(layers)
+    client.fetch("127.0.0.1", server.port, "req-2", dest, timeout=5.0)
+    assert_same_layers(dest, layers)
+    assert done.wait_for(1) == [("req-2", True)]
+    assert server.connections_accepted == 1
+
+
+def test_size_mismatch_is_reported_and_the_transfer_stays(make_server, client):
+    server, done = make_server()
+    layers = make_layers(seed=3, num_layers=2)
+    server.publish("req-3", layers)
+    wrong = [torch.zeros(2, 4, 16, 3, 64), torch.zeros_like(layers[1])]
+    with pytest.raises(KVTransferError) as info:
+        client.fetch("127.0.0.1", server.port, "req-3", wrong, timeout=5.0)
+    assert info.value.kind == "mismatch"
+    assert done.calls == [("req-3", False)]
+
+    dest = zeros_like_all(layers)
+    client.fetch("127.0.0.1", server.port, "req-3", dest, timeout=5.0)
+    assert_same_layers(dest, layers)
+    assert done.wait_for(2) == [("req-3", False), ("req-3", True)]
+
+
+def test_withdraw_during_fetch_aborts(make_server, client):
+    server, done = make_server()
+    layers = make_layers(seed=4, num_layers=3)
+    release = threading.Event()
+    server.publish("req-4", layers, wait_layer=lambda index: index == 0 or release.wait(10.0))
+    layer_zero = threading.Event()
+    dest = zeros_like_all(layers)
+    thread, errors = fetch_in_thread(
+        client, server.port, "req-4", dest, timeout=10.0, on_layer=lambda i: layer_zero.set()
+    )
+    assert layer_zero.wait(5.0)
+    server.withdraw("req-4")
+    release.set()
+    thread.join(10.0)
+
+    assert len(errors) == 1 and isinstance(errors[0], KVTransferError)
+    assert errors[0].kind == "aborted"
+    assert done.wait_for(1, timeout=0.2) == [], "a withdrawn transfer gets no callback"
+    server.withdraw("req-4")  # withdrawing twice is a no-op
+
+
+def test_failing_wait_layer_aborts_and_reports_failure(make_server, client):
+    server, done = make_server()
+    layers = make_layers(seed=5, num_layers=2)
+
+    def wait_layer(index: int) -> None:
+        if index == 1:
+            raise RuntimeError("copy failed")
+
+    server.publish("req-5", layers, wait_layer=wait_layer)
+    with pytest.raises(KVTransferError) as info:
+        client.fetch("127.0.0.1", server.port, "req-5", zeros_like_all(layers), timeout=5.0)
+    assert info.value.kind == "aborted"
+    assert done.wait_for(1) == [("req-5", False)]
+
+
+@pytest.mark.parametrize("drop_after_layers", [0, 1, 3])
+def test_injected_drop_breaks_one_fetch_then_a_clean_fetch_works(
+    make_server, client, drop_after_layers
+):
+    server, done = make_server(fault=TransportFault(drop_after_layers=drop_after_layers, times=1))
+    layers = make_layers(seed=6, num_layers=3)
+    server.publish("req-6", layers)
+    arrived: list[int] = []
+    with pytest.raises(KVTransferError) as info:
+        client.fetch(
+            "127.0.0.1", server.port, "req-6", zeros_like_all(layers), timeout=5.0,
+            on_layer=arrived.append,
+        )  # fmt: skip
+    assert info.value.kind == "connection"
+    assert arrived == list(range(drop_after_layers))
+    assert done.wait_for(1) == [("req-6", False)]
+
+    dest = zeros_like_all(layers)
+    client.fetch("127.0.0.1", server.port, "req-6", dest, timeout=5.0)
+    assert_same_layers(dest, layers)
+    assert done.wait_for(2) == [("req-6", False), ("req-6", True)]
+
+
+def test_delay_past_the_client_deadline_is_a_timeout(make_server, client):
+    server, done = make_server(fault=TransportFault.parse("delay:5,times:1"))
+    layers = make_layers(seed=7, num_layers=2)
+    server.publish("req-7", layers)
+    started = time.monotonic()
+    with pytest.raises(KVTransferError) as info:
+        client.fetch("127.0.0.1", server.port, "req-7", zeros_like_all(layers), timeout=0.3)
+    assert info.value.kind == "timeout"
+    assert time.monotonic() - started < 2.0
+
+    dest = zeros_like_all(layers)
+    client.fetch("127.0.0.1", server.port, "req-7", dest, timeout=5.0)
+    assert_same_layers(dest, layers)
+    assert done.wait_for(1) == [("req-7", True)]
+
+
+def test_garbage_and_silent_clients_leave_the_server_serving(make_server, client):
+    server, done = make_server()
+    layers = make_layers(seed=8, num_layers=2)
+    server.publish("req-8", layers)
+    silent = raw_connect(server.port)
+    garbage_messages = [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(64),
+        WIRE_HEADER.pack(b"TKV1", FETCH, 0, 1 << 40),  # absurd control length
+        WIRE_HEADER.pack(b"TKV1", FETCH, 0, 3) + b"\xc1\xc1\xc1",  # not msgpack
+        WIRE_HEADER.pack(b"TKV1", CONFIRM, 0, 0),  # out of order
+    ]
+    for message in garbage_messages:
+        sock = raw_connect(server.port)
+        sock.sendall(message)
+        assert closed_by_server(sock), f"the server kept a connection that sent {message!r}"
+        sock.close()
+
+    dest = zeros_like_all(layers)
+    client.fetch("127.0.0.1", server.port, "req-8", dest, timeout=5.0)
+    assert_same_layers(dest, layers)
+    assert done.wait_for(1) == [("req-8", True)]
+    silent.close()
+
+
+def test_client_dropping_mid_transfer_reports_failure_and_keeps_the_transfer(make_server, client):
+    server, done = make_server()
+    layers = make_layers(seed=9, num_layers=4, num_blocks=64)  # 1.5 MB float32 layers
+    server.publish("req-9", layers)
+    sock = raw_connect(server.port)
+    sock.sendall(raw_fetch_request("req-9", layers))
+    magic, message_type, layer, length = WIRE_HEADER.unpack(raw_recv_exact(sock, WIRE_HEADER.size))
+    assert (magic, message_type, layer) == (b"TKV1", LAYER, 0)
+    assert length == layers[0].numel() * 4
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # reset mid-transfer
+    assert done.wait_for(1) == [("req-9", False)]
+
+    dest = zeros_like_all(layers)
+    client.fetch("127.0.0.1", server.port, "req-9", dest, timeout=5.0)
+    assert_same_layers(dest, layers)
+    assert done.wait_for(2) == [("req-9", False), ("req-9", True)]
+
+
+def test_client_that_never_confirms_times_out_on_the_server(make_server, client):
+    server, done = make_server(io_timeout=0.3)
+    layers = make_layers(seed=10, num_layers=2)
+    server.publish("req-10", layers)
+    sock = raw_connect(server.port)
+    sock.sendall(raw_fetch_request("req-10", layers))
+    for index, layer in enumerate(layers):
+        _, message_type, layer_index, length = WIRE_HEADER.unpack(
+            raw_recv_exact(sock, WIRE_HEADER.size)
+        )
+        assert (message_type, layer_index) == (LAYER, index)
+        assert raw_recv_exact(sock, length) == layer_bytes(layer)
+    assert done.wait_for(1) == [("req-10", False)]
+    assert closed_by_server(sock)
+    sock.close()
+
+    dest = zeros_like_all(layers)
+    client.fetch("127.0.0.1", server.port, "req-10", dest, timeout=5.0)
+    assert_same_layers(dest, layers)
+
+
+def test_sixteen_concurrent_fetches(make_server, client):
+    server, done = make_server()
+    transfers = {
+        f"req-c{i}": make_layers(seed=100 + i, num_layers=3, num_blocks=16) for i in range(16)
+    }
+    for transfer_id, layers in transfers.items():
+        server.publish(transfer_id, layers)
+    dests = {transfer_id: zeros_like_all(layers) for transfer_id, layers in transfers.items()}
+    started = [fetch_in_thread(client, server.port, tid, dests[tid], timeout=20.0) for tid in dests]
+    for thread, _ in started:
+        thread.join(20.0)
+
+    assert [errors for _, errors in started] == [[]] * 16
+    for transfer_id, layers in transfers.items():
+        assert_same_layers(dests[transfer_id], layers)
+    assert sorted(done.wait_for(16)) == sorted((tid, True) for tid in transfers)
+
+
+def test_a_stale_pooled_connection_is_replaced(make_server, client):
+    server, done = make_server(idle_timeout=0.2)
+    layers = make_layers(seed=11, num_layers=2)
+    server.publish("req-11a", layers)
+    client.fetch("127.0.0.1", server.port, "req-11a", zeros_like_all(layers), timeout=5.0)
+    time.sleep(0.6)  # the server closes the idle pooled connection meanwhile
+    server.publish("req-11b", layers)
+    dest = zeros_like_all(layers)
+    client.fetch("127.0.0.1", server.port, "req-11b", dest, timeout=5.0)
+    assert_same_layers(dest, layers)
+    assert server.connections_accepted == 2
+    assert done.wait_for(2) == [("req-11a", True), ("req-11b", True)]
+
+
+def test_unreachable_server_is_a_connection_error(client):
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        free_port = placeholder.getsockname()[1]
+    with pytest.raises(KVTransferError) as info:
+        client.fetch("127.0.0.1", free_port, "x", [torch.zeros(4)], timeout=2.0)
+    assert info.value.kind == "connection"
+
+
+def test_transport_fault_parse():
+    assert TransportFault.parse("drop:1") == TransportFault(drop_after_layers=1)
+    assert TransportFault.parse("delay:5") == TransportFault(delay_s=5.0)
+    assert TransportFault.parse("delay:0.5, drop:0, times:2") == TransportFault(
+        drop_after_layers=0, delay_s=0.5, times=2
+    )
+    for bad in ["", "drop", "drop:x", "explode:1", "drop:-1", "times:0"]:
+        with pytest.raises(ValueError):
+            TransportFault.parse(bad)
+
+
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, torch
+    from tandem.kv.tcp_transport import TcpKVServer
+    layers = torch.load(sys.argv[2])
+    done = threading.Event()
+    results = []
+    def on_done(transfer_id, ok):
+        results.append((transfer_id, ok))
+        done.set()
+    server = TcpKVServer(sys.argv[1], 0, on_transfer_done=on_done)
+    server.publish("netns-transfer", layers)
+    print(server.port, flush=True)
+    done.wait(30)
+    server.close()
+    print(results, flush=True)
+    """
+)
+
+CLIENT_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from tandem.kv.tcp_transport import TcpKVClient
+    dest = [torch.zeros_like(layer) for layer in torch.load(sys.argv[3])]
+    client = TcpKVClient()
+    client.fetch(sys.argv[1], int(sys.argv[2]), "netns-transfer", dest, timeout=30)
+    client.close()
+    torch.save(dest, sys.argv[4])
+    """
+)
+
+
+def run_ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+
+
+def test_fetch_between_network_namespaces(tmp_path: Path):
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    pid = os.getpid()
+    server_ns, client_ns = f"tkv-srv-{pid}", f"tkv-cli-{pid}"
+    server_if, client_if = f"tkvs{pid}", f"tkvc{pid}"
+    server_address, client_address = "10.77.0.1", "10.77.0.2"
+    created = run_ip("netns", "add", server_ns)
+    if created.returncode != 0:
+        pytest.skip(f"`ip netns add` is not permitted here: {created.stderr.strip()}")
+    try:
+        for step in [
+            ("netns", "add", client_ns),
+            ("link", "add", server_if, "netns", server_ns, "type", "veth",
+             "peer", "name", client_if, "netns", client_ns),
+            ("-n", server_ns, "addr", "add", f"{server_address}/24", "dev", server_if),
+            ("-n", client_ns, "addr", "add", f"{client_address}/24", "dev", client_if),
+            ("-n", server_ns, "link", "set", server_if, "up"),
+            ("-n", client_ns, "link", "set", client_if, "up"),
+        ]:  # fmt: skip
+            result = run_ip(*step)
+            assert result.returncode == 0, f"ip {' '.join(step)}: {result.stderr}"
+
+        layers = make_layers(seed=12, num_layers=4, num_blocks=32)
+        source_file, dest_file = tmp_path / "source.pt", tmp_path / "dest.pt"
+        torch.save(layers, source_file)
+        env = {**os.environ, "PYTHONPATH": str(Path(tandem.__file__).parents[1])}
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", server_ns, sys.executable, "-c", SERVER_SCRIPT,
+             server_address, str(source_file)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            port_line = server.stdout.readline().strip()
+            assert port_line.isdigit(), f"server failed: {port_line} {server.stderr.read()}"
+            fetched = subprocess.run(
+                ["ip", "netns", "exec", client_ns, sys.executable, "-c", CLIENT_SCRIPT,
+                 server_address, port_line, str(source_file), str(dest_file)],
+                capture_output=True, text=True, env=env, timeout=60,
+            )  # fmt: skip
+            assert fetched.returncode == 0, fetched.stderr
+            server_out, server_err = server.communicate(timeout=30)
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+        assert server.returncode == 0, server_err
+        assert server_out.strip() == "[('netns-transfer', True)]"
+        received = torch.load(dest_file)
+        assert_same_layers(received, layers)
+    finally:
+        for namespace in (server_ns, client_ns):
+            run_ip("netns", "del", namespace)
