@@ -294,6 +294,11 @@ class ResponseWriter:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
+    def with_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        if self.body.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
     def token_text(self, token_id: int) -> str:
         tokenizer = self.client.tokenizer
         return "" if tokenizer is None else tokenizer.decode([token_id])
@@ -321,7 +326,10 @@ class ResponseWriter:
             "object": self.object_name,
             "created": self.created,
             "model": self.settings.served_model_name,
-            "choices": [self.full_choice(i, choices[i]) for i in sorted(choices)],
+            "choices": [
+                self.with_token_ids(self.full_choice(i, choices[i]), choices[i].token_ids)
+                for i in sorted(choices)
+            ],
             "usage": self.usage(choices, cached),
         }
         if self.body.kv_transfer_params is not None:
@@ -346,8 +354,10 @@ class ResponseWriter:
             choice.token_ids.extend(delta.token_ids)
             if delta.finish_reason is not None:
                 cached += delta.num_cached_tokens
-            if delta.text or delta.finish_reason is not None or delta.logprobs:
-                yield self.chunk([self.delta_choice(index, delta)])
+            wants_ids = self.body.return_token_ids and delta.token_ids
+            if delta.text or delta.finish_reason is not None or delta.logprobs or wants_ids:
+                choice_chunk = self.delta_choice(index, delta)
+                yield self.chunk([self.with_token_ids(choice_chunk, delta.token_ids)])
         tracker.finish(choices.values())
         options = self.body.stream_options
         if options is not None and options.include_usage:

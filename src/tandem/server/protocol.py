@@ -40,6 +40,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    return_token_ids: bool = False  # choices (and stream chunks) carry their token ids
 
     def sampling_params(
         self, logprobs: int | None, default_max_tokens: int | None
