@@ -65,16 +65,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
-        cos = freqs.cos()[:, None, :]
-        sin = freqs.sin()[:, None, :]
-        rotated = []
-        for x in tensors:  # [T, heads, d]
-            x1, x2 = x.float().chunk(2, dim=-1)
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            rotated.append(out.to(x.dtype))
-        return rotated
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token angles, computed once per forward pass: two [T, 1, head_dim / 2] tensors."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)  # x: [T, heads, head_dim]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -99,8 +98,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         layer_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -111,7 +109,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = self.backend.forward(q, k, v, layer_cache[0], layer_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -176,11 +174,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         model = self.model
         hidden = model.embed_tokens(input_ids)
+        cos_sin = model.rotary.cos_sin(positions)
         for index, layer in enumerate(model.layers):
             attn_in = layer.input_layernorm(hidden)
-            hidden = hidden + layer.self_attn(
-                attn_in, positions, model.rotary, kv_cache[index], metadata
-            )
+            hidden = hidden + layer.self_attn(attn_in, cos_sin, kv_cache[index], metadata)
             if after_layer is not None:
                 after_layer(index)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
