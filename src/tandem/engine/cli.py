@@ -24,6 +24,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-waiting", type=int, default=1024)
     group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -46,6 +47,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
     )
 

@@ -29,6 +29,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs for decode
     seed: int = 0
 
     def resolved(self) -> EngineConfig:

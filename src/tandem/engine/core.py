@@ -53,6 +53,17 @@ class EngineCore:
             config.seed,
         )
         self.kv_spec = plan_kv_cache(config, self.model_config, self.model)
+        # A request longer than the whole KV cache could never finish: it would be preempted
+        # and rescheduled forever. Such requests are refused up front instead.
+        kv_capacity = self.kv_spec.num_blocks * config.block_size
+        if kv_capacity < self.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens: max_model_len lowered from %d to %d",
+                kv_capacity,
+                self.max_model_len,
+                kv_capacity,
+            )
+            self.max_model_len = kv_capacity
         self.kv_manager = KVCacheManager(
             self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -68,6 +79,8 @@ class EngineCore:
             self.device,
             Sampler(self.model_config.eos_token_ids, config.seed),
             self.connector,
+            cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
+            max_seq_len=self.max_model_len,
         )
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",

@@ -79,20 +79,22 @@ def plan_kv_cache(
 
 
 def _profile_cuda_blocks(config: EngineConfig, model: LlamaForCausalLM, spec: KVCacheSpec) -> int:
-    """Run the largest batch once with a one-block cache, then give the memory that is left
-    under gpu_memory_utilization to the KV cache."""
+    """Run the largest batch once (one sequence of max_num_batched_tokens tokens, in a scratch
+    cache just big enough), then give the memory left under gpu_memory_utilization to the KV
+    cache."""
     device = torch.device(config.device)
+    num_tokens = config.max_num_batched_tokens
+    num_blocks = -(-num_tokens // spec.block_size)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    num_tokens = config.max_num_batched_tokens
-    cache = torch.zeros(replace(spec, num_blocks=1).shape, dtype=spec.dtype, device=device)
+    cache = torch.zeros(replace(spec, num_blocks=num_blocks).shape, dtype=spec.dtype, device=device)
     metadata = AttentionMetadata(
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_tables=torch.zeros((1, 1), dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
         max_query_len=num_tokens,
-        max_seq_len=min(num_tokens, spec.block_size),
+        max_seq_len=num_tokens,
     )
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     hidden = model(ids, torch.arange(num_tokens, device=device), cache, metadata)
@@ -112,6 +114,8 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         connector: KVConnector,
+        cuda_graph_max_batch: int = 0,
+        max_seq_len: int = 0,
     ) -> None:
         self.model = model
         self.kv_spec = kv_spec
@@ -120,6 +124,13 @@ class ModelRunner:
         self.connector = connector
         self.kv_cache = torch.zeros(kv_spec.shape, dtype=kv_spec.dtype, device=device)
         connector.register_kv_cache(self.kv_cache)
+        self.decode_graphs = None
+        if device.type == "cuda" and cuda_graph_max_batch > 0:
+            from tandem.engine.cuda_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv_cache, cuda_graph_max_batch, max_seq_len, kv_spec.block_size
+            )
 
     def _to_device(self, values: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.as_tensor(values, dtype=dtype)
@@ -167,13 +178,22 @@ class ModelRunner:
         output = RunnerOutput()
         if scheduler_output.requests:
             input_ids, positions, metadata, query_start_loc = self.prepare(scheduler_output)
-            hidden = self.model(
-                input_ids,
-                positions,
-                self.kv_cache,
-                metadata,
-                after_layer=lambda index: self.connector.save_kv_layer(index, connector_meta),
-            )
+            graphs = self.decode_graphs
+            if (
+                graphs is not None
+                and metadata.is_decode_only
+                and graphs.can_run(metadata.num_seqs)
+                and not getattr(connector_meta, "saves", None)
+            ):
+                hidden = graphs.run(input_ids, positions, metadata)
+            else:
+                hidden = self.model(
+                    input_ids,
+                    positions,
+                    self.kv_cache,
+                    metadata,
+                    after_layer=lambda index: self.connector.save_kv_layer(index, connector_meta),
+                )
             self.connector.wait_for_save(connector_meta)
             to_sample = [(row, r) for row, r in enumerate(scheduler_output.requests) if r.sample]
             if to_sample:

@@ -50,9 +50,9 @@ class Sampler:
         logits = self._suppress_early_stops(logits, requests)
 
         params = [r.sampling_params for r in requests]
-        greedy = torch.tensor([p.is_greedy for p in params], device=device)
         sampled = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(p.is_greedy for p in params):
+            greedy = torch.tensor([p.is_greedy for p in params], device=device)
             temperature = torch.tensor(
                 [p.temperature if p.temperature > 0 else 1.0 for p in params],
                 device=device,

@@ -246,6 +246,10 @@ class Scheduler:
             if request is None:
                 continue
             if self.connector.recompute_on_failure:
+                # Start over as after a preemption: the blocks the load was to fill hold nothing
+                # valid, and a retry with prefix hits must get a block table that starts with them.
+                self.kv.free(request_id)
+                request.num_computed_tokens = 0
                 request.status = RequestStatus.WAITING
                 self.waiting.appendleft(request)
             else:

@@ -112,11 +112,18 @@ class PDConnector(KVConnector):
         self.new_transfer_seconds: list[float] = []
         self.new_failures: dict[str, int] = {}
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ipc_handle: str | None = None
+        self.remote_caches: dict[str, torch.Tensor] = {}  # cuda-ipc: engine id -> mapped cache
         self._start_transport()
 
+    @property
+    def gpu_direct(self) -> bool:
+        return self.config.transport == "cuda-ipc"
+
     def _start_transport(self) -> None:
-        if self.config.transport != "tcp":
-            raise ValueError(f"KV transport {self.config.transport!r} is not available")
+        """TCP carries the bytes (tcp) or only the control messages (cuda-ipc)."""
+        if self.gpu_direct and self.device.type != "cuda":
+            raise ValueError("the cuda-ipc KV transport needs --device cuda")
         from tandem.kv.tcp_transport import TcpKVClient, TcpKVServer
 
         if self.config.serves_kv:
@@ -210,6 +217,7 @@ class PDConnector(KVConnector):
             "num_prompt_tokens": request.num_prompt_tokens,
             "block_size": self.block_size,
             "kv_layout": self.kv_layout,
+            "kv_ipc_handle": self.ipc_handle,
         }
 
     @property
@@ -222,6 +230,10 @@ class PDConnector(KVConnector):
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
+        if self.gpu_direct and self.config.serves_kv:
+            from tandem.kv.cuda_ipc import export_handle
+
+            self.ipc_handle = export_handle(kv_cache)
 
     def save_kv_layer(self, layer_index: int, metadata: ConnectorMetadata | None) -> None:
         if metadata is None or not metadata.saves:
@@ -230,7 +242,7 @@ class PDConnector(KVConnector):
             if layer_index == 0:
                 self._publish(spec)
             lease = self.leases.get(spec.request_id)
-            if lease is None:
+            if lease is None or self.gpu_direct:  # cuda-ipc: decode reads the cache itself
                 continue
             index = torch.tensor(spec.block_ids, device=self.device)
             source = self.kv_cache[layer_index]  # [2, num_blocks, block_size, heads, dim]
@@ -244,7 +256,7 @@ class PDConnector(KVConnector):
                 lease.events[layer_index].record(self.copy_stream)
 
     def _publish(self, spec: SaveSpec) -> None:
-        num_layers = self.kv_spec.num_layers
+        num_layers = 0 if self.gpu_direct else self.kv_spec.num_layers
         shape = (2, len(spec.block_ids), *self.kv_cache.shape[3:])
         pin = self.device.type == "cuda"
         staging = [
@@ -272,10 +284,52 @@ class PDConnector(KVConnector):
             self.executor.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> None:
-        """Fetch one request's prompt KV and scatter it into its local blocks (load thread)."""
+        """Receive one request's prompt KV into its local blocks (load thread), then report."""
         started = time.monotonic()
+        try:
+            self._check_compatible(spec.remote)
+            if self.gpu_direct:
+                num_bytes = self._receive_gpu_direct(spec)
+            else:
+                num_bytes = self._receive_tcp(spec)
+            failure = None
+        except KVTransferError as exc:
+            failure = exc.kind
+            logger.warning("KV load of %s failed: %s", spec.request_id, exc)
+        except Exception:
+            failure = "error"
+            logger.exception("KV load of %s failed", spec.request_id)
+        with self.lock:
+            self.loading.discard(spec.request_id)
+            if failure is None:
+                self.counters["kv_bytes_received"] += num_bytes
+                self.counters["kv_blocks_received"] += len(spec.remote["remote_block_ids"])
+                self.new_transfer_seconds.append(time.monotonic() - started)
+            else:
+                self.new_failures[failure] = self.new_failures.get(failure, 0) + 1
+            if spec.request_id in self.abandoned_loads:
+                self.abandoned_loads.discard(spec.request_id)
+                self.finished_sending.add(spec.request_id)  # frees the blocks it held
+            elif failure is None:
+                self.finished_recving.add(spec.request_id)
+            else:
+                self.failed_recving[spec.request_id] = failure
+
+    def _confirm_fetch(self, spec: LoadSpec, layers: list[torch.Tensor], on_layer=None) -> None:
         remote = spec.remote
-        num_remote_blocks = len(remote["remote_block_ids"])
+        self.client.fetch(
+            remote["remote_host"],
+            int(remote["remote_port"]),
+            remote["remote_request_id"],
+            layers,
+            timeout=self.config.transfer_timeout_s,
+            on_layer=on_layer,
+        )
+
+    def _receive_tcp(self, spec: LoadSpec) -> int:
+        """Every layer of the prompt's blocks over TCP into host staging, each scattered into
+        the local blocks as it arrives (host -> device on a side stream)."""
+        num_remote_blocks = len(spec.remote["remote_block_ids"])
         shape = (2, num_remote_blocks, *self.kv_cache.shape[3:])
         pin = self.device.type == "cuda"
         staging = [
@@ -294,41 +348,31 @@ class PDConnector(KVConnector):
                 on_device = received.to(self.device, non_blocking=True)
                 self.kv_cache[layer_index].index_copy_(1, targets, on_device)
 
-        try:
-            self._check_compatible(remote)
-            self.client.fetch(
-                remote["remote_host"],
-                int(remote["remote_port"]),
-                remote["remote_request_id"],
-                staging,
-                timeout=self.config.transfer_timeout_s,
-                on_layer=on_layer,
-            )
-            if stream is not None:
-                stream.synchronize()
-            failure = None
-        except KVTransferError as exc:
-            failure = exc.kind
-            logger.warning("KV load of %s failed: %s", spec.request_id, exc)
-        except Exception:
-            failure = "error"
-            logger.exception("KV load of %s failed", spec.request_id)
-        num_bytes = sum(t.numel() * t.element_size() for t in staging)
-        with self.lock:
-            self.loading.discard(spec.request_id)
-            if failure is None:
-                self.counters["kv_bytes_received"] += num_bytes
-                self.counters["kv_blocks_received"] += num_remote_blocks
-                self.new_transfer_seconds.append(time.monotonic() - started)
-            else:
-                self.new_failures[failure] = self.new_failures.get(failure, 0) + 1
-            if spec.request_id in self.abandoned_loads:
-                self.abandoned_loads.discard(spec.request_id)
-                self.finished_sending.add(spec.request_id)  # frees the blocks it held
-            elif failure is None:
-                self.finished_recving.add(spec.request_id)
-            else:
-                self.failed_recving[spec.request_id] = failure
+        self._confirm_fetch(spec, staging, on_layer)
+        if stream is not None:
+            stream.synchronize()
+        return sum(t.numel() * t.element_size() for t in staging)
+
+    def _receive_gpu_direct(self, spec: LoadSpec) -> int:
+        """Peer-to-peer copy out of the prefill worker's mapped cache, then a confirmation over
+        the control channel (a transfer without layers). A lease that expired during the copy
+        answers not_found, and the load fails rather than use blocks that may be reused."""
+        from tandem.kv.cuda_ipc import copy_blocks, open_handle
+
+        remote = spec.remote
+        engine_id = remote["remote_engine_id"]
+        if engine_id not in self.remote_caches:
+            self.remote_caches[engine_id] = open_handle(remote["kv_ipc_handle"])
+        remote_ids = remote["remote_block_ids"][spec.first_block :]
+        copy_blocks(
+            self.remote_caches[engine_id],
+            remote_ids,
+            self.kv_cache,
+            spec.local_block_ids,
+            self.copy_stream,
+        )
+        self._confirm_fetch(spec, [])
+        return len(remote_ids) * self.kv_spec.bytes_per_block
 
     def _check_compatible(self, remote: dict[str, Any]) -> None:
         if remote.get("kv_transport", "tcp") != self.config.transport:

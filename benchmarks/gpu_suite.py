@@ -1,0 +1,424 @@
+"""The GPU benchmark suite: BENCHMARKS.md workloads 1, 2, 4 and 5 in one run.
+
+    python benchmarks/gpu_suite.py --out results.json [--sections ceilings,roofline,...]
+
+Sections (each prints its table; all results go into one JSON file):
+  ceilings   measured device copy bandwidth, bf16 matrix rate, GPU0 -> GPU1 copy rate
+  roofline   (5) Llama-3.1-8B shape: one decode step at batch 1 against
+             (weight + KV bytes) / copy bandwidth; an 8192-token prefill against the matrix rate
+  offline    (2) Qwen3-0.6B shape, 256 sequences, input and output uniform in [100, 1024]:
+             tokens/s and the decode steps' roofline fraction
+  transfer   (4) a 10k-token Qwen3-0.6B KV over CUDA IPC (GPU0 -> GPU1), against the copy rate
+  latency    (1) input 128 / 1024 / 8192, output 128, one request at a time: `both` on GPU 0
+             against 1 prefill (GPU 0) + 1 decode (GPU 1) behind tandem's router; TTFT, time to
+             second token, TPOT; greedy output of PD identical to colocated
+
+Random weights in real shapes (load_format dummy); timings after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.core import EngineCore
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cuda_time(fn, repeats: int) -> float:
+    """Median seconds of fn() over repeats, timed with CUDA events after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    device = torch.device("cuda:0")
+    source = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    dest = torch.empty_like(source)
+    copy_s = cuda_time(lambda: dest.copy_(source), 10)
+    result = {"copy_GBps": 2 * source.numel() / copy_s / 1e9}  # read + write
+    del source, dest
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn_like(a)
+    matmul_s = cuda_time(lambda: a @ b, 10)
+    result["matmul_bf16_TFLOPs"] = 2 * 8192**3 / matmul_s / 1e12
+    del a, b
+    if torch.cuda.device_count() > 1:
+        source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dest = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:1")
+        p2p_s = cuda_time(lambda: dest.copy_(source), 10)
+        result["gpu0_to_gpu1_GBps"] = source.numel() / p2p_s / 1e9
+        del source, dest
+    torch.cuda.empty_cache()
+    return result
+
+
+def weight_bytes(core: EngineCore, decode: bool) -> int:
+    """Bytes of weights one forward pass reads (decode reads one embedding row, not the table)."""
+    total = 0
+    for name, param in core.model.named_parameters():
+        if decode and name.endswith("embed_tokens.weight") and not core.model_config.tie_word_embeddings:
+            continue
+        total += param.numel() * param.element_size()
+    return total
+
+
+def run_steps_until_done(core: EngineCore) -> None:
+    while core.has_work():
+        core.step()
+
+
+def roofline(limits: dict) -> dict:
+    core = EngineCore(
+        EngineConfig(
+            model="llama-3.1-8b",
+            load_format="dummy",
+            device="cuda:0",
+            max_num_batched_tokens=8192,
+            max_num_seqs=8,
+            max_model_len=16384,
+            gpu_memory_utilization=0.85,
+        )
+    )
+    config = core.model_config
+    generator = torch.Generator().manual_seed(0)
+
+    def request(request_id: str, length: int, max_tokens: int) -> Request:
+        ids = torch.randint(0, config.vocab_size, (length,), generator=generator).tolist()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return Request(request_id, ids, params, max_total_tokens=core.max_model_len)
+
+    # prefill of 8192 tokens: one step
+    num_prompt = 8192
+    prefill_times = []
+    for index in range(4):
+        core.add_request(request(f"prefill-{index}", num_prompt, 1))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        core.step()
+        prefill_times.append(time.perf_counter() - start)
+        run_steps_until_done(core)
+    prefill_s = statistics.median(prefill_times[1:])
+    linear_flops = 2 * (weight_bytes(core, decode=True) // 2 - config.vocab_size * config.hidden_size)
+    attention_flops = 4 * config.num_layers * config.num_heads * config.head_dim
+    attention_flops *= num_prompt * (num_prompt + 1) // 2
+    flops = linear_flops * num_prompt + attention_flops + 2 * config.vocab_size * config.hidden_size
+    prefill_tflops = flops / prefill_s / 1e12
+
+    # decode at batch 1 with a 128-token context
+    core.add_request(request("decode", 128, 160))
+    core.step()
+    step_times = []
+    while core.has_work():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        core.step()
+        step_times.append(time.perf_counter() - start)
+    decode_s = statistics.median(step_times[10:])
+    context = 128 + 80
+    decode_bytes = weight_bytes(core, decode=True) + context * core.kv_spec.bytes_per_token
+    roofline_s = decode_bytes / (limits["copy_GBps"] * 1e9)
+    result = {
+        "prefill_8192_ms": prefill_s * 1e3,
+        "prefill_TFLOPs": prefill_tflops,
+        "prefill_fraction_of_matmul": prefill_tflops / limits["matmul_bf16_TFLOPs"],
+        "decode_step_b1_ms": decode_s * 1e3,
+        "decode_roofline_ms": roofline_s * 1e3,
+        "decode_over_roofline": decode_s / roofline_s,
+    }
+    core.shutdown()
+    del core
+    torch.cuda.empty_cache()
+    return result
+
+
+def offline(limits: dict) -> dict:
+    core = EngineCore(
+        EngineConfig(
+            model="qwen3-0.6b",
+            load_format="dummy",
+            device="cuda:0",
+            max_num_seqs=256,
+            max_num_batched_tokens=16384,
+            max_model_len=4096,
+            gpu_memory_utilization=0.85,
+        )
+    )
+    config = core.model_config
+    generator = torch.Generator().manual_seed(0)
+    num_seqs = 256
+    input_lens = torch.randint(100, 1025, (num_seqs,), generator=generator).tolist()
+    output_lens = torch.randint(100, 1025, (num_seqs,), generator=generator).tolist()
+    warm = Request(
+        "warm", [1] * 64, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    )
+    core.add_request(warm)
+    run_steps_until_done(core)
+    for index, (n_in, n_out) in enumerate(zip(input_lens, output_lens, strict=True)):
+        ids = torch.randint(0, config.vocab_size, (n_in,), generator=generator).tolist()
+        params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+        core.add_request(Request(str(index), ids, params, max_total_tokens=core.max_model_len))
+    weights = weight_bytes(core, decode=True)
+    fractions = []
+    start = time.perf_counter()
+    while core.has_work():
+        scheduled = core.scheduler.schedule()
+        step_start = time.perf_counter()
+        runner_output = core.runner.execute(scheduled)
+        step_s = time.perf_counter() - step_start
+        core.scheduler.update_from_output(scheduled, runner_output)
+        items = scheduled.requests
+        if items and all(len(item.token_ids) == 1 for item in items):
+            context = sum(item.start_position + 1 for item in items)
+            ideal = (weights + context * core.kv_spec.bytes_per_token) / (
+                limits["copy_GBps"] * 1e9
+            )
+            fractions.append(ideal / step_s)
+    elapsed = time.perf_counter() - start
+    result = {
+        "num_seqs": num_seqs,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": sum(output_lens) / elapsed,
+        "total_tokens_per_s": (sum(output_lens) + sum(input_lens)) / elapsed,
+        "decode_steps": len(fractions),
+        "decode_roofline_fraction_median": statistics.median(fractions) if fractions else None,
+        "num_preemptions": core.scheduler.num_preemptions,
+    }
+    core.shutdown()
+    del core
+    torch.cuda.empty_cache()
+    return result
+
+
+TRANSFER_PRODUCER = """
+import sys, torch
+from tandem.kv.cuda_ipc import export_handle
+shape = [int(x) for x in sys.argv[1].split(",")]
+cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda:0")
+print(export_handle(cache), flush=True)
+sys.stdin.readline()
+"""
+
+
+def transfer(limits: dict) -> dict:
+    """A 10k-token KV of the Qwen3-0.6B shape: producer process on GPU 0, copy into GPU 1."""
+    from tandem.kv.cuda_ipc import copy_blocks, open_handle
+
+    layers, kv_heads, head_dim, block_size = 28, 8, 128, 16
+    num_tokens = 10240
+    num_blocks = num_tokens // block_size
+    shape = (layers, 2, 2 * num_blocks, block_size, kv_heads, head_dim)
+    producer = subprocess.Popen(
+        [sys.executable, "-c", TRANSFER_PRODUCER, ",".join(map(str, shape))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        remote = open_handle(producer.stdout.readline().strip())
+        local = torch.zeros(shape, dtype=torch.bfloat16, device="cuda:1")
+        remote_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()
+        local_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()
+        stream = torch.cuda.Stream("cuda:1")
+        copy_blocks(remote, remote_ids, local, local_ids, stream)
+        ok = torch.equal(local[:, :, local_ids].cpu(), remote[:, :, remote_ids].cpu())
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            copy_blocks(remote, remote_ids, local, local_ids, stream)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+    finally:
+        producer.stdin.write("\n")
+        producer.stdin.flush()
+        producer.wait(30)
+    num_bytes = num_tokens * layers * 2 * kv_heads * head_dim * 2
+    rate = num_bytes / seconds / 1e9
+    return {
+        "bytes": num_bytes,
+        "cuda_ipc_ms": seconds * 1e3,
+        "cuda_ipc_GBps": rate,
+        "fraction_of_p2p": rate / limits["gpu0_to_gpu1_GBps"],
+        "bytes_identical": ok,
+    }
+
+
+def start_process(args: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", *args],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url} exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not become healthy")
+
+
+def stream_once(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: TTFT, time to second token, TPOT, and the token ids."""
+    import httpx
+
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    times, token_ids = [], []
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            now = time.perf_counter()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                ids = choice.get("token_ids") or []
+                if ids:
+                    times.extend([now] * len(ids))
+                    token_ids.extend(ids)
+    return {
+        "ttft_ms": (times[0] - start) * 1e3,
+        "ttst_ms": (times[1] - start) * 1e3,
+        "tpot_ms": (times[-1] - times[0]) / (len(times) - 1) * 1e3,
+        "token_ids": token_ids,
+    }
+
+
+def latency(limits: dict, log_dir: Path) -> dict:
+    common = [
+        "--model", "qwen3-0.6b", "--load-format", "dummy", "--host", "127.0.0.1",
+        "--gpu-memory-utilization", "0.4", "--max-model-len", "16384",
+        "--max-num-batched-tokens", "8192", "--max-num-seqs", "64",
+    ]  # fmt: skip
+    ipc = ["--kv-transport", "cuda-ipc"]
+    processes = {
+        "both": start_process(["worker", *common, "--port", "8301", "--device", "cuda:0"],
+                              log_dir / "both.log"),
+        "prefill": start_process(["worker", *common, "--port", "8302", "--device", "cuda:0",
+                                  "--role", "prefill", *ipc], log_dir / "prefill.log"),
+        "decode": start_process(["worker", *common, "--port", "8303", "--device", "cuda:1",
+                                 "--role", "decode", *ipc], log_dir / "decode.log"),
+    }  # fmt: skip
+    try:
+        for name, port in (("both", 8301), ("prefill", 8302), ("decode", 8303)):
+            wait_healthy(f"http://127.0.0.1:{port}", processes[name])
+        processes["router"] = start_process(
+            ["router", "--port", "8300", "--prefill", "http://127.0.0.1:8302",
+             "--decode", "http://127.0.0.1:8303"], log_dir / "router.log",
+        )  # fmt: skip
+        wait_healthy("http://127.0.0.1:8300", processes["router"])
+        generator = torch.Generator().manual_seed(0)
+        results = {}
+        for num_input in (128, 1024, 8192):
+            row = {}
+            for name, url in (("both", "http://127.0.0.1:8301"), ("pd", "http://127.0.0.1:8300")):
+                runs = []
+                for _ in range(4):
+                    prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
+                    runs.append(stream_once(url, prompt, 128))
+                measured = runs[1:]  # the first is a warm-up
+                row[name] = {
+                    key: statistics.median(r[key] for r in measured)
+                    for key in ("ttft_ms", "ttst_ms", "tpot_ms")
+                }
+            prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
+            colocated = stream_once("http://127.0.0.1:8301", prompt, 64)["token_ids"]
+            disaggregated = stream_once("http://127.0.0.1:8300", prompt, 64)["token_ids"]
+            row["pd_identical_to_both"] = colocated == disaggregated
+            row["ttft_ratio"] = row["pd"]["ttft_ms"] / row["both"]["ttft_ms"]
+            results[str(num_input)] = row
+        return results
+    finally:
+        for process in processes.values():
+            try:
+                os.killpg(process.pid, 15)
+            except ProcessLookupError:
+                pass
+        for process in processes.values():
+            process.wait(30)
+
+
+def print_table(title: str, rows: dict) -> None:
+    print(f"\n== {title}")
+    for key, value in rows.items():
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        print(f"  {key:40s} {value}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sections", default="ceilings,roofline,offline,transfer,latency")
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    args = parser.parse_args()
+    sections = args.sections.split(",")
+    results: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "num_gpus": torch.cuda.device_count(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    results["ceilings"] = ceilings()
+    print_table("ceilings", results["ceilings"])
+    limits = results["ceilings"]
+    two_gpus = torch.cuda.device_count() > 1
+    for name, fn in (("roofline", roofline), ("offline", offline), ("transfer", transfer)):
+        if name in sections and (name != "transfer" or two_gpus):
+            try:
+                results[name] = fn(limits)
+            except Exception as exc:  # keep the other sections' numbers
+                results[name] = {"error": repr(exc)}
+            print_table(name, results[name])
+            args.out.write_text(json.dumps(results, indent=2))
+    if "latency" in sections and two_gpus:
+        try:
+            results["latency"] = latency(limits, args.log_dir)
+        except Exception as exc:
+            results["latency"] = {"error": repr(exc)}
+        print("\n== latency (ms)")
+        for num_input, row in results["latency"].items():
+            print(f"  input {num_input}: {json.dumps(row)}")
+    args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
