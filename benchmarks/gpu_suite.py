@@ -57,18 +57,16 @@ def ceilings() -> dict:
     dest = torch.empty_like(source)
     copy_s = cuda_time(lambda: dest.copy_(source), 10)
     result = {"copy_GBps": 2 * source.numel() / copy_s / 1e9}  # read + write
-    del source, dest
+    source = dest = None
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn_like(a)
     matmul_s = cuda_time(lambda: a @ b, 10)
     result["matmul_bf16_TFLOPs"] = 2 * 8192**3 / matmul_s / 1e12
-    del a, b
     if torch.cuda.device_count() > 1:
         source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
         dest = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:1")
         p2p_s = cuda_time(lambda: dest.copy_(source), 10)
         result["gpu0_to_gpu1_GBps"] = source.numel() / p2p_s / 1e9
-        del source, dest
     torch.cuda.empty_cache()
     return result
 
@@ -77,7 +75,8 @@ def weight_bytes(core: EngineCore, decode: bool) -> int:
     """Bytes of weights one forward pass reads (decode reads one embedding row, not the table)."""
     total = 0
     for name, param in core.model.named_parameters():
-        if decode and name.endswith("embed_tokens.weight") and not core.model_config.tie_word_embeddings:
+        tied = core.model_config.tie_word_embeddings
+        if decode and name.endswith("embed_tokens.weight") and not tied:
             continue
         total += param.numel() * param.element_size()
     return total
@@ -119,7 +118,8 @@ def roofline(limits: dict) -> dict:
         prefill_times.append(time.perf_counter() - start)
         run_steps_until_done(core)
     prefill_s = statistics.median(prefill_times[1:])
-    linear_flops = 2 * (weight_bytes(core, decode=True) // 2 - config.vocab_size * config.hidden_size)
+    lm_head_params = config.vocab_size * config.hidden_size
+    linear_flops = 2 * (weight_bytes(core, decode=True) // 2 - lm_head_params)
     attention_flops = 4 * config.num_layers * config.num_heads * config.head_dim
     attention_flops *= num_prompt * (num_prompt + 1) // 2
     flops = linear_flops * num_prompt + attention_flops + 2 * config.vocab_size * config.hidden_size
@@ -147,8 +147,6 @@ def roofline(limits: dict) -> dict:
         "decode_over_roofline": decode_s / roofline_s,
     }
     core.shutdown()
-    del core
-    torch.cuda.empty_cache()
     return result
 
 
@@ -169,9 +167,7 @@ def offline(limits: dict) -> dict:
     num_seqs = 256
     input_lens = torch.randint(100, 1025, (num_seqs,), generator=generator).tolist()
     output_lens = torch.randint(100, 1025, (num_seqs,), generator=generator).tolist()
-    warm = Request(
-        "warm", [1] * 64, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    )
+    warm = Request("warm", [1] * 64, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     core.add_request(warm)
     run_steps_until_done(core)
     for index, (n_in, n_out) in enumerate(zip(input_lens, output_lens, strict=True)):
@@ -190,9 +186,7 @@ def offline(limits: dict) -> dict:
         items = scheduled.requests
         if items and all(len(item.token_ids) == 1 for item in items):
             context = sum(item.start_position + 1 for item in items)
-            ideal = (weights + context * core.kv_spec.bytes_per_token) / (
-                limits["copy_GBps"] * 1e9
-            )
+            ideal = (weights + context * core.kv_spec.bytes_per_token) / (limits["copy_GBps"] * 1e9)
             fractions.append(ideal / step_s)
     elapsed = time.perf_counter() - start
     result = {
@@ -205,8 +199,6 @@ def offline(limits: dict) -> dict:
         "num_preemptions": core.scheduler.num_preemptions,
     }
     core.shutdown()
-    del core
-    torch.cuda.empty_cache()
     return result
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from tiny_models import SHAPES
-from worker_fixtures import running_worker, wait_for_metric
 
 from tandem import LLM, SamplingParams
+from tiny_models import SHAPES
+from worker_fixtures import running_worker, wait_for_metric
 
 pytestmark = pytest.mark.cuda
 
