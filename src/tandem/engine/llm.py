@@ -86,14 +86,15 @@ class LLM:
         self, prompts: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]
     ) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        order = []
+        batch = []  # every prompt is validated before any request starts
         for (text, token_ids), params in zip(prompts, params_list, strict=True):
             request_id = str(next(self._ids))
-            requests = self.inputs.make_requests(request_id, token_ids, params)
+            batch.append((request_id, self.inputs.make_requests(request_id, token_ids, params)))
             results[request_id] = RequestOutput(
                 request_id, text, token_ids, [CompletionOutput(i) for i in range(params.n)]
             )
-            order.append(request_id)
+        order = [request_id for request_id, _ in batch]
+        for request_id, requests in batch:
             for index, request in enumerate(requests):
                 self.outputs.add(request_id, request, index)
                 self.core.add_request(request)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,18 +23,35 @@ from torch import nn
 from tandem.attention.base import AttentionBackend, AttentionMetadata
 from tandem.models.config import ModelConfig
 
+try:
+    from tandem.models import triton_ops
+except ImportError:  # no triton: only the unfused torch path exists
+    triton_ops = None
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return triton_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the fused kernel updates residual in place."""
+        if self.fused:
+            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = x + residual
+        return self.forward(residual), residual
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -76,8 +94,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+@dataclass
+class ForwardContext:
+    """What every layer of one forward pass shares."""
+
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # unfused rotary only
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -89,8 +116,8 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused)
         self.qk_norm = config.qk_norm
         self.backend = backend
         self.scale = config.head_dim**-0.5
@@ -98,9 +125,9 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryEmbedding,
         layer_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
-        metadata: AttentionMetadata,
+        context: ForwardContext,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -109,38 +136,50 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        out = self.backend.forward(q, k, v, layer_cache[0], layer_cache[1], metadata, self.scale)
+        if context.cos_sin is None:
+            triton_ops.rotary_(q, context.positions, rotary.inv_freq)
+            triton_ops.rotary_(k, context.positions, rotary.inv_freq)
+        else:
+            q, k = apply_rotary(q, *context.cos_sin), apply_rotary(k, *context.cos_sin)
+        out = self.backend.forward(
+            q, k, v, layer_cache[0], layer_cache[1], context.metadata, self.scale
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fused: bool) -> None:
         super().__init__()
+        self.fused = fused
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(triton_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.self_attn = Attention(config, backend, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.mlp = MLP(config, fused)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, fused) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.rotary = RotaryEmbedding(config)
 
 
@@ -155,10 +194,15 @@ _PACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    """fused_ops: use the fused Triton kernels of `triton_ops` (CUDA only)."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, fused_ops: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.fused_ops = fused_ops
+        self.model = LlamaModel(config, backend, fused_ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -173,15 +217,21 @@ class LlamaForCausalLM(nn.Module):
         after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         model = self.model
-        hidden = model.embed_tokens(input_ids)
-        cos_sin = model.rotary.cos_sin(positions)
+        context = ForwardContext(
+            positions, metadata, None if self.fused_ops else model.rotary.cos_sin(positions)
+        )
+        residual = model.embed_tokens(input_ids)
+        hidden = model.layers[0].input_layernorm(residual)
         for index, layer in enumerate(model.layers):
-            attn_in = layer.input_layernorm(hidden)
-            hidden = hidden + layer.self_attn(attn_in, cos_sin, kv_cache[index], metadata)
+            attn_out = layer.self_attn(hidden, model.rotary, kv_cache[index], context)
             if after_layer is not None:
                 after_layer(index)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return model.norm(hidden)
+            hidden, residual = layer.post_attention_layernorm.add_forward(attn_out, residual)
+            mlp_out = layer.mlp(hidden)
+            is_last = index + 1 == len(model.layers)
+            next_norm = model.norm if is_last else model.layers[index + 1].input_layernorm
+            hidden, residual = next_norm.add_forward(mlp_out, residual)
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

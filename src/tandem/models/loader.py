@@ -92,6 +92,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def triton_available() -> bool:
+    from tandem.models import llama
+
+    return llama.triton_ops is not None
+
+
 def load_model(
     source: ModelSource,
     backend: AttentionBackend,
@@ -107,7 +113,8 @@ def load_model(
             f"{source.spec!r} is a config without weights; run it with load_format='dummy'"
         )
     with _default_dtype(dtype), torch.device(device):
-        model = LlamaForCausalLM(source.config, backend)
+        fused_ops = device.type == "cuda" and triton_available()
+        model = LlamaForCausalLM(source.config, backend, fused_ops)
     if load_format == "dummy":
         generator = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
