@@ -25,6 +25,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[Block]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same blocks' ids, kept alongside
         self.req_hashes: dict[str, list[int]] = {}
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
@@ -38,7 +39,8 @@ class KVCacheManager:
         return self.pool.num_used_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_blocks.get(request_id, ())]
+        """The request's block table (a live list: read it, do not change it)."""
+        return self.req_block_ids.get(request_id, [])
 
     def get_computed_blocks(self, request: Request) -> list[Block]:
         """Cached blocks matching the longest prefix of the request (full blocks only, leaving at
@@ -71,9 +73,10 @@ class KVCacheManager:
         if num_needed + num_revived > self.pool.num_free_blocks:
             return False
         self.pool.touch(computed_blocks)
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        blocks.extend(computed_blocks)
-        blocks.extend(self.pool.allocate(max(num_needed, 0)))
+        new_blocks = computed_blocks + self.pool.allocate(max(num_needed, 0))
+        self.req_blocks.setdefault(request.request_id, []).extend(new_blocks)
+        ids = self.req_block_ids.setdefault(request.request_id, [])
+        ids.extend(block.block_id for block in new_blocks)
         if computed_blocks:
             self.req_hashes[request.request_id] = [b.block_hash for b in computed_blocks]
         return True
@@ -98,6 +101,7 @@ class KVCacheManager:
         """Release all of a request's blocks; its tail goes to the free queue first, so it is
         evicted before the shared prefix."""
         blocks = self.req_blocks.pop(request_id, [])
+        self.req_block_ids.pop(request_id, None)
         self.req_hashes.pop(request_id, None)
         self.pool.free(reversed(blocks))
 

@@ -188,9 +188,9 @@ class Scheduler:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.token_slice(start, start + num_new),
             start_position=start,
-            block_ids=self.kv.block_ids(request.request_id),
+            block_ids=list(self.kv.block_ids(request.request_id)),
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             output_index=request.num_output_tokens,
