@@ -228,7 +228,7 @@ def transfer(limits: dict) -> dict:
         text=True,
     )
     try:
-        remote = open_handle(producer.stdout.readline().strip())
+        remote = open_handle(producer.stdout.readline().strip(), torch.device("cuda:1"))
         local = torch.zeros(shape, dtype=torch.bfloat16, device="cuda:1")
         remote_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()
         local_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()

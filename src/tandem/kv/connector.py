@@ -151,15 +151,15 @@ class PDConnector(KVConnector):
             and self.client is not None
             and request.request_id not in self.load_attempted
         ):
-            self.load_attempted.add(request.request_id)
-            num_remote = request.num_prompt_tokens - num_local
-            if num_remote > 0:
-                return num_remote, True
+            # Load even when the local prefix cache holds the whole prompt (num_remote == 0): the
+            # fetch is the confirmation that frees the prefill worker's lease.
+            return max(request.num_prompt_tokens - num_local, 0), True
         return 0, False
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external: int
     ) -> None:
+        self.load_attempted.add(request.request_id)  # only now: a failed allocation retries
         num_prompt_blocks = cdiv(request.num_prompt_tokens, self.block_size)
         first_block = (request.num_prompt_tokens - num_external) // self.block_size
         self.new_loads.append(
@@ -336,7 +336,7 @@ class PDConnector(KVConnector):
             torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=pin)
             for _ in range(self.kv_spec.num_layers)
         ]
-        targets = torch.tensor(spec.local_block_ids, device=self.device)
+        targets = torch.tensor(spec.local_block_ids, dtype=torch.long, device=self.device)
         stream = torch.cuda.Stream(self.device) if pin else None
 
         def on_layer(layer_index: int) -> None:
@@ -348,9 +348,11 @@ class PDConnector(KVConnector):
                 on_device = received.to(self.device, non_blocking=True)
                 self.kv_cache[layer_index].index_copy_(1, targets, on_device)
 
-        self._confirm_fetch(spec, staging, on_layer)
-        if stream is not None:
-            stream.synchronize()
+        try:
+            self._confirm_fetch(spec, staging, on_layer)
+        finally:  # also on failure: the blocks are freed next, no copy may still write to them
+            if stream is not None:
+                stream.synchronize()
         return sum(t.numel() * t.element_size() for t in staging)
 
     def _receive_gpu_direct(self, spec: LoadSpec) -> int:
@@ -362,15 +364,16 @@ class PDConnector(KVConnector):
         remote = spec.remote
         engine_id = remote["remote_engine_id"]
         if engine_id not in self.remote_caches:
-            self.remote_caches[engine_id] = open_handle(remote["kv_ipc_handle"])
+            self.remote_caches[engine_id] = open_handle(remote["kv_ipc_handle"], self.device)
         remote_ids = remote["remote_block_ids"][spec.first_block :]
-        copy_blocks(
-            self.remote_caches[engine_id],
-            remote_ids,
-            self.kv_cache,
-            spec.local_block_ids,
-            self.copy_stream,
-        )
+        if remote_ids:  # none when the local prefix cache holds the whole prompt
+            copy_blocks(
+                self.remote_caches[engine_id],
+                remote_ids,
+                self.kv_cache,
+                spec.local_block_ids,
+                self.copy_stream,
+            )
         self._confirm_fetch(spec, [])
         return len(remote_ids) * self.kv_spec.bytes_per_block
 

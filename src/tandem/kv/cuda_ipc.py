@@ -2,11 +2,14 @@
 
 The prefill worker exports a handle to its whole KV cache once (it goes out with every prefill
 answer, a few hundred bytes). The decode worker opens it once per prefill engine, which maps the
-remote cache into its own address space, and then moves a request's blocks with one gather on the
-remote GPU and one peer-to-peer copy over NVLink:
+remote cache into its own address space, and then moves a request's blocks with one Triton
+kernel on its own GPU that reads the remote blocks over NVLink and writes them straight into its
+local blocks (peer access):
 
-    remote kv_cache[:, :, remote_block_ids]  --index_select (remote GPU)-->  contiguous buffer
-    contiguous buffer  --peer copy-->  local GPU  --index_copy_-->  local kv_cache[:, :, local_ids]
+    plane p = layer * 2 + (key | value), block pair i:
+        local[p, local_block_ids[i]]  <-  remote[p, remote_block_ids[i]]      (one program each)
+
+Without Triton the copy falls back to a gather on the remote GPU and one peer copy.
 
 Both workers must see the same GPUs under the same indices (the same CUDA_VISIBLE_DEVICES), since a
 handle names the device by its index. The TCP control channel of the connector still carries the
@@ -21,6 +24,57 @@ import pickle
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+COPY_CHUNK = 4096  # elements per program
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_blocks_kernel(
+        src_ptr,
+        dst_ptr,
+        src_ids_ptr,
+        dst_ids_ptr,
+        src_plane_stride,
+        dst_plane_stride,
+        block_elems,
+        CHUNK: tl.constexpr,
+    ):
+        pair = tl.program_id(0)
+        plane = tl.program_id(1).to(tl.int64)
+        offsets = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+        mask = offsets < block_elems
+        src_block = tl.load(src_ids_ptr + pair).to(tl.int64)
+        dst_block = tl.load(dst_ids_ptr + pair).to(tl.int64)
+        values = tl.load(
+            src_ptr + plane * src_plane_stride + src_block * block_elems + offsets, mask=mask
+        )
+        tl.store(dst_ptr + plane * dst_plane_stride + dst_block * block_elems + offsets, values,
+                 mask=mask)  # fmt: skip
+
+
+def copy_blocks_kernel(
+    remote_cache: torch.Tensor,
+    remote_ids: torch.Tensor,
+    local_cache: torch.Tensor,
+    local_ids: torch.Tensor,
+) -> None:
+    """Launch the block copy on the current stream of local_cache's device. Caches:
+    [layers, 2, num_blocks, *block]; ids: int64 tensors on local_cache's device."""
+    num_planes = remote_cache.shape[0] * remote_cache.shape[1]
+    block_elems = remote_cache[0, 0, 0].numel()
+    grid = (len(local_ids), num_planes, triton.cdiv(block_elems, COPY_CHUNK))
+    _copy_blocks_kernel[grid](
+        remote_cache, local_cache, remote_ids, local_ids,
+        remote_cache.shape[2] * block_elems, local_cache.shape[2] * block_elems, block_elems,
+        CHUNK=COPY_CHUNK,
+    )  # fmt: skip
+
 
 def export_handle(kv_cache: torch.Tensor) -> str:
     rebuild, args = reduce_tensor(kv_cache)
@@ -29,8 +83,14 @@ def export_handle(kv_cache: torch.Tensor) -> str:
     return base64.b64encode(pickle.dumps(args)).decode("ascii")
 
 
-def open_handle(handle: str) -> torch.Tensor:
-    return rebuild_cuda_tensor(*pickle.loads(base64.b64decode(handle)))
+def open_handle(handle: str, local_device: torch.device) -> torch.Tensor:
+    """Map the remote cache, and enable peer access between its GPU and ours both ways (torch
+    enables it on the first copy between two devices)."""
+    remote = rebuild_cuda_tensor(*pickle.loads(base64.b64decode(handle)))
+    if remote.device != local_device:
+        torch.zeros(1, device=remote.device).to(local_device)
+        torch.zeros(1, device=local_device).to(remote.device)
+    return remote
 
 
 def copy_blocks(
@@ -42,13 +102,16 @@ def copy_blocks(
 ) -> None:
     """Copy remote blocks into local blocks (all layers, keys and values) on `stream`, and wait
     for the copy to finish. Caches: [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
-    remote_device, local_device = remote_cache.device, local_cache.device
-    with torch.cuda.device(remote_device):
-        remote_ids = torch.tensor(remote_block_ids, device=remote_device)
-        gathered = remote_cache.index_select(2, remote_ids)
-        torch.cuda.current_stream(remote_device).synchronize()
+    local_device = local_cache.device
     with torch.cuda.stream(stream):
         local_ids = torch.tensor(local_block_ids, device=local_device)
-        moved = gathered.to(local_device, non_blocking=True)
-        local_cache.index_copy_(2, local_ids, moved)
+        if triton is not None:
+            remote_ids = torch.tensor(remote_block_ids, device=local_device)
+            copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids)
+        else:
+            with torch.cuda.device(remote_cache.device):
+                remote_ids = torch.tensor(remote_block_ids, device=remote_cache.device)
+                gathered = remote_cache.index_select(2, remote_ids)
+                torch.cuda.current_stream(remote_cache.device).synchronize()
+            local_cache.index_copy_(2, local_ids, gathered.to(local_device, non_blocking=True))
     stream.synchronize()
