@@ -1,0 +1,1 @@
+"""The PD router: OpenAI API in front of prefill/decode workers (see docs/router.md)."""

@@ -1,0 +1,105 @@
+"""`tandem serve`: a router and its workers on this host, from flags or a cluster YAML file.
+
+Flags given on the command line override the file; without a file, the cluster is one prefill
+and one decode worker on the default model with the TCP KV transport. Imports only argparse and
+the standard library at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+DEFAULT_CLUSTER: dict[str, Any] = {
+    "roles": {
+        "prefill": {"count": 1, "engine": {"kv_transport": "tcp"}},
+        "decode": {"count": 1, "engine": {"kv_transport": "tcp"}},
+    }
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="start a router and its workers on this host",
+        description="Start a router and prefill/decode workers, wait until all are healthy, and "
+        "stop all of them on Ctrl-C or SIGTERM.",
+    )
+    parser.add_argument("--config", metavar="CLUSTER_YAML", help="cluster description file")
+    parser.add_argument("--model", help="model to serve (default: smollm2-135m-instruct)")
+    parser.add_argument("--prefill", type=int, metavar="N", help="prefill workers (default 1)")
+    parser.add_argument("--decode", type=int, metavar="N", help="decode workers (default 1)")
+    parser.add_argument("--both", type=int, metavar="N", help="colocated workers (default 0)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: auto")
+    parser.add_argument(
+        "--kv-transport", choices=("tcp", "cuda-ipc"), help="KV transport of prefill and decode"
+    )
+    parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="the router's port (default 8000)")
+    parser.add_argument(
+        "--worker-port-base", type=int, metavar="PORT", help="first worker port (default port+100)"
+    )
+    parser.add_argument(
+        "--kv-port-base", type=int, metavar="PORT", help="first KV port (default port+200)"
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every process to be healthy",
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a process gets to exit after SIGTERM before SIGKILL",
+    )
+    parser.set_defaults(func=run)
+
+
+def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The dotted keys that the flags given on the command line set."""
+    flags = {
+        "model": args.model,
+        "device": args.device,
+        "roles.prefill.count": args.prefill,
+        "roles.decode.count": args.decode,
+        "roles.both.count": args.both,
+        "roles.prefill.engine.kv_transport": args.kv_transport,
+        "roles.decode.engine.kv_transport": args.kv_transport,
+        "router.host": args.host,
+        "ports.router": args.port,
+        "ports.workers": args.worker_port_base,
+        "ports.kv": args.kv_port_base,
+    }
+    return {key: value for key, value in flags.items() if value is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem.launcher.cluster import (
+        ClusterError,
+        load_cluster_file,
+        merge_overrides,
+        parse_cluster,
+    )
+    from tandem.launcher.supervisor import Supervisor, plan_processes, resolve_device
+
+    try:
+        data = load_cluster_file(args.config) if args.config else DEFAULT_CLUSTER
+        spec = parse_cluster(merge_overrides(data, cluster_overrides(args)), args.config)
+        device, num_gpus = resolve_device(spec.device)
+    except (ClusterError, RuntimeError) as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 2
+    plans = plan_processes(spec, device, num_gpus)
+    roles = spec.roles
+    print(
+        f"tandem serve: starting {spec.model} on {device}: {roles.prefill.count} prefill, "
+        f"{roles.decode.count} decode, {roles.both.count} both",
+        flush=True,
+    )
+    supervisor = Supervisor(
+        plans, startup_timeout_s=args.startup_timeout, stop_timeout_s=args.stop_timeout
+    )
+    return supervisor.run()

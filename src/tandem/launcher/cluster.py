@@ -1,0 +1,234 @@
+"""What `tandem serve` starts: the cluster description, from a YAML file and/or flags.
+
+    model: smollm2-135m-instruct
+    device: auto                  # auto | cpu | cuda
+    roles:
+      prefill: {count: 1, engine: {block_size: 16, kv_transport: tcp}}
+      decode:  {count: 1, engine: {block_size: 16, kv_transport: tcp}}
+      both:    {count: 0}
+    ports: {router: 8000, workers: 8100, kv: 8200}
+    router: {prefill_policy: prefix-aware}
+
+Unknown keys are refused, and so is a cluster that cannot work; each refusal is one sentence
+that names the problem (`ClusterError`):
+* every role must serve the same model;
+* prefill and decode must agree on the KV layout (block_size, dtype) and transport;
+* prefill workers need decode workers to continue their requests, and decode workers need
+  prefill workers to feed them (colocated workers are role `both`);
+* decode workers need a kv_transport when there are prefill workers;
+* the router, worker and KV port ranges must not overlap.
+A prefill role without a kv_transport takes the decode role's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_TRANSPORTS = ("tcp", "cuda-ipc")
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be started; the message is one sentence."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(_Strict):
+    """Worker flags for one role; each set field becomes `--field-name value`."""
+
+    block_size: int | None = Field(default=None, gt=0)
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    max_model_len: int | None = Field(default=None, gt=0)
+    num_kv_blocks: int | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    kv_transport: Literal["tcp", "cuda-ipc"] | None = None
+    extra_args: tuple[str, ...] = ()
+
+    def worker_flags(self) -> list[str]:
+        flags: list[str] = []
+        for name, value in self:
+            if name == "extra_args" or value is None:
+                continue
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+        return flags + list(self.extra_args)
+
+
+class RoleSpec(_Strict):
+    count: int = Field(default=0, ge=0)
+    model: str | None = None
+    engine: EngineSettings = EngineSettings()
+
+
+class RolesSpec(_Strict):
+    prefill: RoleSpec = RoleSpec()
+    decode: RoleSpec = RoleSpec()
+    both: RoleSpec = RoleSpec()
+
+
+class PortsSpec(_Strict):
+    router: int = Field(default=8000, gt=0, lt=65536)
+    workers: int | None = Field(default=None, gt=0, lt=65536)  # default: router + 100
+    kv: int | None = Field(default=None, gt=0, lt=65536)  # default: router + 200
+
+
+class RouterSpec(_Strict):
+    host: str = "127.0.0.1"
+    prefill_policy: Literal["prefix-aware", "least-outstanding", "round-robin"] | None = None
+    decode_policy: Literal["least-outstanding", "round-robin"] | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+class ClusterSpec(_Strict):
+    model: str = DEFAULT_MODEL
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    roles: RolesSpec = RolesSpec()
+    ports: PortsSpec = PortsSpec()
+    router: RouterSpec = RouterSpec()
+
+    def model_of(self, role: str) -> str:
+        return getattr(self.roles, role).model or self.model
+
+    @property
+    def worker_port_base(self) -> int:
+        return self.ports.workers if self.ports.workers is not None else self.ports.router + 100
+
+    @property
+    def kv_port_base(self) -> int:
+        return self.ports.kv if self.ports.kv is not None else self.ports.router + 200
+
+    @property
+    def num_workers(self) -> int:
+        roles = self.roles
+        return roles.prefill.count + roles.decode.count + roles.both.count
+
+    def engine_of(self, role: str) -> EngineSettings:
+        """The role's engine settings, with a prefill kv_transport defaulting to decode's."""
+        engine = getattr(self.roles, role).engine
+        if role == "prefill" and engine.kv_transport is None:
+            return engine.model_copy(update={"kv_transport": self.roles.decode.engine.kv_transport})
+        return engine
+
+
+def _describe(value: object) -> str:
+    return "the worker default" if value is None else str(value)
+
+
+def check_cluster(spec: ClusterSpec) -> ClusterSpec:
+    """Returns `spec` if it can work, else raises ClusterError naming the first problem."""
+    roles = spec.roles
+    counts = {name: getattr(roles, name).count for name in ("prefill", "decode", "both")}
+    if sum(counts.values()) == 0:
+        raise ClusterError("The cluster has no workers: give prefill, decode or both a count.")
+    if counts["prefill"] and not counts["decode"]:
+        raise ClusterError(
+            "The cluster has prefill workers but no decode worker to continue their requests."
+        )
+    if counts["decode"] and not counts["prefill"]:
+        raise ClusterError(
+            "The cluster has decode workers but no prefill worker to feed them; use role both "
+            "for colocated workers."
+        )
+    used = [name for name, count in counts.items() if count]
+    for name in used[1:]:
+        if spec.model_of(name) != spec.model_of(used[0]):
+            raise ClusterError(
+                f"roles.{name} serves {spec.model_of(name)} but roles.{used[0]} serves "
+                f"{spec.model_of(used[0])}; every role must serve the same model."
+            )
+    if counts["prefill"]:
+        prefill, decode = roles.prefill.engine, roles.decode.engine
+        if decode.kv_transport is None:
+            raise ClusterError(
+                "roles.decode.engine.kv_transport is not set, so the decode workers have no way "
+                "to receive KV from the prefill workers; set it to tcp or cuda-ipc."
+            )
+        for field in ("block_size", "dtype", "kv_transport"):
+            prefill_value = getattr(spec.engine_of("prefill"), field)
+            decode_value = getattr(decode, field)
+            if prefill_value != decode_value:
+                raise ClusterError(
+                    f"roles.prefill.engine.{field} ({_describe(prefill_value)}) differs from "
+                    f"roles.decode.engine.{field} ({_describe(decode_value)}); prefill and decode "
+                    "must share one KV layout and transport."
+                )
+        if spec.device == "cpu" and "cuda-ipc" in (prefill.kv_transport, decode.kv_transport):
+            raise ClusterError("The cuda-ipc KV transport needs GPUs, but the device is cpu.")
+    worker_ports = range(spec.worker_port_base, spec.worker_port_base + spec.num_workers)
+    kv_ports = range(spec.kv_port_base, spec.kv_port_base + spec.num_workers)
+    if worker_ports.stop > 65536 or kv_ports.stop > 65536:
+        raise ClusterError("The worker or KV port range runs past port 65535.")
+    if spec.ports.router in worker_ports or spec.ports.router in kv_ports:
+        raise ClusterError(
+            f"The router port {spec.ports.router} falls in a worker or KV port range."
+        )
+    if set(worker_ports) & set(kv_ports):
+        raise ClusterError(
+            f"The worker ports ({worker_ports.start}-{worker_ports.stop - 1}) overlap the KV ports "
+            f"({kv_ports.start}-{kv_ports.stop - 1})."
+        )
+    return spec
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"unknown key {where}."
+    return f"{where}: {error['msg']}."
+
+
+def parse_cluster(data: Any, source: str | None = None) -> ClusterSpec:
+    """A checked ClusterSpec from plain data (a parsed YAML document from file `source`)."""
+    prefix = f"{source}: " if source else ""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ClusterError(f"{prefix}the top level must be a mapping of keys to values.")
+    try:
+        return check_cluster(ClusterSpec.model_validate(data))
+    except ValidationError as exc:
+        raise ClusterError(prefix + _first_error(exc)) from None
+    except ClusterError as exc:
+        raise ClusterError(prefix + str(exc)) from None
+
+
+def load_cluster_file(path: str | Path) -> dict[str, Any]:
+    """The YAML document of a cluster file, as plain data (checked by `parse_cluster`)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ClusterError(f"Cannot read the cluster file {path}: {exc.strerror}.") from None
+    except yaml.YAMLError as exc:
+        raise ClusterError(f"{path} is not valid YAML: {exc}.") from None
+    return {} if data is None else data
+
+
+def merge_overrides(data: Any, overrides: dict[str, Any]) -> Any:
+    """`data` with the dotted keys of `overrides` (e.g. "roles.prefill.count") set."""
+    if not isinstance(data, dict):
+        return data
+    merged: dict[str, Any] = dict(data)
+    for dotted, value in overrides.items():
+        node = merged
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            child = node.get(key)
+            if child is None:
+                child = {}
+            if not isinstance(child, dict):
+                break  # a malformed file: leave it for validation to name
+            node[key] = dict(child)
+            node = node[key]
+        else:
+            node[leaf] = value
+    return merged

@@ -1,0 +1,175 @@
+"""The router's HTTP surface: the OpenAI endpoints, health, metrics and worker registration.
+
+Public endpoints (`/v1/...`, `/internal/workers` listing) need `Authorization: Bearer <api key>`
+when the router has one; `/health` and `/metrics` stay open for probes and scrapers. The
+registration endpoints need the cluster token, and are refused outright when the router has none.
+The router runs one health round before it serves, so static workers that are up are in the pool
+from the first request on; a registering worker joins once its own health check passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tandem.router.config import Role, RouterConfig
+from tandem.router.metrics import RouterMetrics
+from tandem.router.proxy import Proxy
+from tandem.router.relay import RelayResponse, error_body
+from tandem.router.workers import WorkerPool
+
+
+class WorkerAnnouncement(BaseModel):
+    """The body of register, heartbeat and deregister calls."""
+
+    model_config = ConfigDict(extra="ignore")
+    url: str
+    role: Role = "both"
+    model: str | None = None
+
+
+def error_response(status: int, message: str, code: str, error_type: str) -> Response:
+    return Response(error_body(message, error_type, code), status, media_type="application/json")
+
+
+def _bearer_matches(request: Request, secret: str) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), secret)
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    metrics = RouterMetrics()
+    pool = WorkerPool(config, metrics)
+    proxy = Proxy(config, pool, metrics)
+    checks: set[asyncio.Future[None]] = set()  # health checks of registering workers
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        await pool.check_all(proxy.session)
+        health_checks = asyncio.ensure_future(pool.run_health_checks(proxy.session))
+        try:
+            yield
+        finally:
+            health_checks.cancel()
+            await asyncio.gather(health_checks, return_exceptions=True)
+            await proxy.close()
+
+    app = FastAPI(title="tandem router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.pool = pool
+    app.state.proxy = proxy
+    app.state.metrics = metrics
+
+    def refuse_without_api_key(request: Request) -> Response | None:
+        if config.api_key is None or _bearer_matches(request, config.api_key):
+            return None
+        message = "a valid API key is required: send it as 'Authorization: Bearer <key>'"
+        return error_response(401, message, "invalid_api_key", "invalid_request_error")
+
+    def refuse_without_cluster_token(request: Request) -> Response | None:
+        if config.cluster_token is None:
+            message = "worker registration is off: start the router with --cluster-token"
+            return error_response(403, message, "registration_disabled", "permission_error")
+        if not _bearer_matches(request, config.cluster_token):
+            message = "the cluster token is missing or wrong"
+            return error_response(401, message, "invalid_cluster_token", "invalid_request_error")
+        return None
+
+    async def read_json_object(request: Request) -> dict[str, Any] | Response:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            message = "the request body is not valid JSON"
+            return error_response(400, message, "invalid_json", "invalid_request_error")
+        if not isinstance(body, dict):
+            message = "the request body must be a JSON object"
+            return error_response(400, message, "invalid_json", "invalid_request_error")
+        if not isinstance(body.get("stream", False), bool):
+            message = "'stream' must be true or false"
+            return error_response(400, message, "invalid_stream", "invalid_request_error")
+        return body
+
+    async def proxied(request: Request, endpoint: str) -> Response:
+        refusal = refuse_without_api_key(request)
+        if refusal is not None:
+            return refusal
+        body = await read_json_object(request)
+        if isinstance(body, Response):
+            return body
+        return RelayResponse(proxy.handle(endpoint, body))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxied(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxied(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        refusal = refuse_without_api_key(request)
+        if refusal is not None:
+            return refusal
+        data = [{"id": name, "object": "model", "owned_by": "tandem"} for name in pool.models()]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        counts = pool.counts()
+        can_serve = counts["decode"] > 0 or counts["both"] > 0
+        status = "ok" if can_serve else "no decode or both worker is healthy"
+        return JSONResponse({"status": status, "workers": counts}, 200 if can_serve else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/internal/workers")
+    async def list_workers(request: Request) -> Response:
+        refusal = refuse_without_api_key(request)
+        if refusal is not None:
+            return refusal
+        return JSONResponse({"workers": [worker.describe() for worker in pool.workers()]})
+
+    async def announcement(request: Request) -> WorkerAnnouncement | Response:
+        refusal = refuse_without_cluster_token(request)
+        if refusal is not None:
+            return refusal
+        try:
+            return WorkerAnnouncement.model_validate_json(await request.body())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "body"
+            message = f"bad worker announcement: {where}: {first['msg']}"
+            return error_response(400, message, "invalid_announcement", "invalid_request_error")
+
+    @app.post("/internal/workers/register")
+    @app.post("/internal/workers/heartbeat")
+    async def register(request: Request) -> Response:
+        worker = await announcement(request)
+        if isinstance(worker, Response):
+            return worker
+        known = pool.register(worker.url, worker.role, worker.model)
+        if not known.healthy:
+            checks.add(asyncio.ensure_future(pool.check(proxy.session, known)))
+            checks.difference_update([check for check in checks if check.done()])
+        return JSONResponse({"registered": known.describe()})
+
+    @app.post("/internal/workers/deregister")
+    async def deregister(request: Request) -> Response:
+        worker = await announcement(request)
+        if isinstance(worker, Response):
+            return worker
+        return JSONResponse({"deregistered": pool.deregister(worker.url)})
+
+    return app

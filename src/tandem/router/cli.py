@@ -1,0 +1,151 @@
+"""`tandem router`: the OpenAI-compatible front door of a PD cluster.
+
+Imports only argparse at import time; the server's modules load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tandem.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
+
+DEFAULTS = RouterConfig()
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "router",
+        help="run the PD router (OpenAI API in front of prefill/decode workers)",
+        description="Serve the OpenAI API and run each request on a prefill and a decode worker.",
+    )
+    parser.add_argument("--host", default=DEFAULTS.host)
+    parser.add_argument("--port", type=int, default=DEFAULTS.port)
+    workers = parser.add_argument_group("workers (static; more may register themselves)")
+    workers.add_argument(
+        "--prefill", metavar="URL", nargs="+", action="extend", default=[], help="prefill worker"
+    )
+    workers.add_argument(
+        "--decode", metavar="URL", nargs="+", action="extend", default=[], help="decode worker"
+    )
+    workers.add_argument(
+        "--worker",
+        metavar="URL",
+        nargs="+",
+        action="extend",
+        default=[],
+        help="colocated (role both) worker",
+    )
+    policies = parser.add_argument_group("routing")
+    policies.add_argument(
+        "--prefill-policy", choices=PREFILL_POLICIES, default=DEFAULTS.prefill_policy
+    )
+    policies.add_argument(
+        "--decode-policy", choices=DECODE_POLICIES, default=DEFAULTS.decode_policy
+    )
+    policies.add_argument(
+        "--prefix-block-chars",
+        type=int,
+        default=DEFAULTS.prefix_block_chars,
+        help="prefix-aware routing: prompt block length in characters",
+    )
+    policies.add_argument(
+        "--prefix-balance-threshold",
+        type=int,
+        default=DEFAULTS.prefix_balance_threshold,
+        help="prefix-aware routing: how many more requests in flight a cache hit may have than "
+        "the least loaded worker",
+    )
+    security = parser.add_argument_group("security")
+    security.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    security.add_argument(
+        "--cluster-token",
+        default=os.environ.get("TANDEM_CLUSTER_TOKEN"),
+        help="token workers must present to register (default: $TANDEM_CLUSTER_TOKEN; "
+        "without one, registration is refused)",
+    )
+    timing = parser.add_argument_group("timeouts and health (seconds)")
+    timing.add_argument("--connect-timeout", type=float, default=DEFAULTS.connect_timeout_s)
+    timing.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=DEFAULTS.prefill_timeout_s,
+        help="longest wait for a prefill answer",
+    )
+    timing.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULTS.read_timeout_s,
+        help="longest silence tolerated from a decode or plain leg",
+    )
+    timing.add_argument(
+        "--max-attempts",
+        type=int,
+        default=DEFAULTS.max_attempts,
+        help="workers one leg tries before it gives up",
+    )
+    timing.add_argument("--health-interval", type=float, default=DEFAULTS.health_interval_s)
+    timing.add_argument("--health-timeout", type=float, default=DEFAULTS.health_timeout_s)
+    timing.add_argument(
+        "--health-failures",
+        type=int,
+        default=DEFAULTS.health_failures,
+        help="failed health checks in a row that take a worker out of the pool",
+    )
+    timing.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=DEFAULTS.heartbeat_timeout_s,
+        help="a registered worker silent this long leaves the pool",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    parser.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        prefill_urls=tuple(args.prefill),
+        decode_urls=tuple(args.decode),
+        both_urls=tuple(args.worker),
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        api_key=args.api_key,
+        cluster_token=args.cluster_token or None,
+        connect_timeout_s=args.connect_timeout,
+        prefill_timeout_s=args.prefill_timeout,
+        read_timeout_s=args.read_timeout,
+        max_attempts=args.max_attempts,
+        health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout,
+        health_failures=args.health_failures,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        prefix_block_chars=args.prefix_block_chars,
+        prefix_balance_threshold=args.prefix_balance_threshold,
+        log_level=args.log_level,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from tandem.router.app import create_app
+
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return 0

@@ -1,0 +1,65 @@
+"""The router's settings, resolved once from the command line and frozen.
+
+Every timeout is in seconds. Worker URLs are stored without a trailing slash, so that a URL names
+one worker however it was written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+
+PREFILL_POLICIES = ("prefix-aware", "least-outstanding", "round-robin")
+DECODE_POLICIES = ("least-outstanding", "round-robin")
+
+
+def normalize_url(url: str) -> str:
+    """The canonical spelling of a worker URL: scheme included, no trailing slash."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    both_urls: tuple[str, ...] = ()
+    prefill_policy: str = "prefix-aware"
+    decode_policy: str = "least-outstanding"
+    api_key: str | None = None
+    cluster_token: str | None = None
+    # Upstream calls: connecting, waiting for the prefill answer, and the longest silence
+    # tolerated on a decode or plain leg.
+    connect_timeout_s: float = 3.0
+    prefill_timeout_s: float = 600.0
+    read_timeout_s: float = 600.0
+    # How many workers one leg tries before it gives up.
+    max_attempts: int = 3
+    # Health checks of every known worker, and the heartbeat deadline of registered ones.
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    health_failures: int = 2
+    heartbeat_timeout_s: float = 3.0
+    # Prefix-aware routing: prompt block length in characters (or token ids for token prompts),
+    # and how many more outstanding requests a cache hit may have than the least loaded worker.
+    prefix_block_chars: int = 64
+    prefix_balance_threshold: int = 16
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_urls", "decode_urls", "both_urls"):
+            urls = tuple(dict.fromkeys(normalize_url(url) for url in getattr(self, name)))
+            object.__setattr__(self, name, urls)
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"unknown prefill policy {self.prefill_policy!r}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"unknown decode policy {self.decode_policy!r}")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")

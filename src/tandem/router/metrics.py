@@ -1,0 +1,98 @@
+"""Prometheus metrics of one router, kept in the router's own registry (no global state).
+
+Outcomes of a request: `success`, `client_error` (a 4xx, the router's or a worker's),
+`no_worker` (no worker could take it), `upstream_error` (a worker failed or timed out, before or
+after the first byte), `aborted` (the client went away).
+
+`tandem_router_added_seconds` is the router's own share of the time to the first byte: the time
+from the request's arrival to its first byte sent, less the time spent waiting on workers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tandem_router_requests",
+            "Requests by endpoint and outcome.",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "tandem_router_ttft_seconds",
+            "Time from a streaming request's arrival to its first token sent.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "tandem_router_e2e_seconds",
+            "Time from a request's arrival to its last byte sent.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.added = Histogram(
+            "tandem_router_added_seconds",
+            "The router's own time before a request's first byte (waiting on workers excluded).",
+            buckets=OVERHEAD_BUCKETS,
+            registry=self.registry,
+        )
+        self.outstanding = Gauge(
+            "tandem_router_worker_outstanding",
+            "Requests in flight on each worker.",
+            ["worker", "role"],
+            registry=self.registry,
+        )
+        self.healthy = Gauge(
+            "tandem_router_worker_healthy",
+            "1 while a worker is in the pool, 0 while it is out.",
+            ["worker", "role"],
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "tandem_router_refusals",
+            "Leg attempts that a worker refused or dropped; the leg then tries another worker.",
+            ["leg"],
+            registry=self.registry,
+        )
+        self.kv_releases = Counter(
+            "tandem_router_kv_releases",
+            "Prefill leases the router released: requests given up between the legs, or "
+            "answered by the prefill leg alone.",
+            registry=self.registry,
+        )
+
+    def forget_worker(self, url: str, role: str) -> None:
+        for gauge in (self.outstanding, self.healthy):
+            try:
+                gauge.remove(url, role)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,673 @@
+"""One client request's trip through the workers: the two PD legs, or one plain leg.
+
+Disaggregated (a prefill and a decode worker in the pool, one prompt, n == 1):
+
+    client ──▶ router ──(1) prefill leg: stream=false, max_tokens=1, kv_transfer_params──▶ prefill
+                  │◀── first token text + kv_transfer_params ──────────────────────────────┘
+                  ├──▶ client: head + first token            (TTFT does not include the transfer)
+                  └──(2) decode leg: client body + kv_transfer_params ──▶ decode ──▶ relayed to
+                         the client with the first len(first_text) characters skipped
+
+Plain (n > 1, batch prompts, or no prefill/decode pair): the body goes unchanged to a decode or
+`both` worker and its answer is relayed.
+
+Invariants:
+* Nothing is sent to the client before the first leg answered, so until then a worker that is
+  down or refuses (connection refused, 429, 5xx) is replaced by another one, up to
+  `max_attempts` tries (a dropped connection gets one more try on the same worker: it may be an
+  idle pooled connection the worker had closed); a worker's 4xx is relayed unchanged with its
+  status. The decode leg is also retried on another
+  decode worker while none of its bytes reached the client (the prefill lease still holds the KV).
+* After the first byte, a failure ends the stream with an error event and `data: [DONE]`.
+* The prefill lease is released (`POST /v1/kv/release`) whenever the decode leg never answered
+  200 or failed mid-stream; a client that leaves mid-decode is left to the decode worker, which
+  sees its connection close.
+* Every worker counted in flight by `WorkerPool.begin` is finished exactly once (`Leg.close`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from tandem.router.config import Role, RouterConfig
+from tandem.router.metrics import RouterMetrics
+from tandem.router.policies import Policy, make_policy, prefix_hashes, prompt_units
+from tandem.router.relay import (
+    JSON_HEAD,
+    SSE_HEAD,
+    ResponseHead,
+    error_body,
+    error_event,
+    iter_sse_data,
+    sse_event,
+)
+from tandem.router.workers import Worker, WorkerPool
+
+logger = logging.getLogger("tandem.router")
+
+Flow = AsyncGenerator[ResponseHead | bytes, None]
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# Answers that mean "this worker cannot take it now": the leg moves to another worker.
+REFUSAL_STATUSES = frozenset({429, 500, 502, 503, 504})
+PREFILL_KV_REQUEST = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+RELEASE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+
+class NoWorker(Exception):
+    """No worker of the leg's pool could take it."""
+
+
+class LegTimeout(Exception):
+    """A worker accepted a leg but stayed silent past the timeout."""
+
+
+@dataclass
+class RequestContext:
+    endpoint: str  # "completions" | "chat"
+    body: dict[str, Any]
+    request_id: str
+    stream: bool
+    started: float = field(default_factory=time.perf_counter)
+    upstream_wait_s: float = 0.0
+    status: int = 0
+    first_byte_at: float | None = None
+    outcome: str = "success"
+
+
+@contextmanager
+def waiting_on_workers(ctx: RequestContext) -> Iterator[None]:
+    """Counts the block's time as time spent waiting on workers (not the router's own)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        ctx.upstream_wait_s += time.perf_counter() - started
+
+
+class Leg:
+    """One upstream call: the worker it went to and its (streamed) response."""
+
+    def __init__(self, pool: WorkerPool, worker: Worker, response: aiohttp.ClientResponse):
+        self.worker = worker
+        self.response = response
+        self._pool = pool
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Finish the leg; a response not read to its end is cut, which aborts it upstream."""
+        if self._closed:
+            return
+        self._closed = True
+        self.response.close()
+        self._pool.finish(self.worker)
+
+
+def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
+    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        leg["max_completion_tokens"] = 1
+    leg["kv_transfer_params"] = dict(PREFILL_KV_REQUEST)
+    return leg
+
+
+def wants_one_token(endpoint: str, body: dict[str, Any]) -> bool:
+    limit = body.get("max_tokens")
+    if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+        limit = body["max_completion_tokens"]
+    return limit == 1
+
+
+def is_single_prompt(endpoint: str, body: dict[str, Any]) -> bool:
+    """True unless the request asks for several choices or holds a batch of prompts."""
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+        return False
+    if endpoint == "chat":
+        return True
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt) == 1
+    return True
+
+
+def choice_text(endpoint: str, choice: dict[str, Any], *, streamed: bool) -> str:
+    if endpoint == "completions":
+        return choice.get("text") or ""
+    holder = choice.get("delta" if streamed else "message") or {}
+    return holder.get("content") or ""
+
+
+class Proxy:
+    def __init__(self, config: RouterConfig, pool: WorkerPool, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.prefill_policy: Policy = make_policy(
+            config.prefill_policy, config.prefix_balance_threshold
+        )
+        self.decode_policy: Policy = make_policy(
+            config.decode_policy, config.prefix_balance_threshold
+        )
+        self._prefill_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout_s, sock_read=config.prefill_timeout_s
+        )
+        self._read_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout_s, sock_read=config.read_timeout_s
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Proxy.start() was not called"
+        return self._session
+
+    async def start(self) -> None:
+        # Idle upstream connections are dropped before a worker's keep-alive timeout (uvicorn:
+        # 5 s) can close them under a request.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- entry --------------------------------------------------------------------------------
+
+    def handle(self, endpoint: str, body: dict[str, Any]) -> Flow:
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        ctx = RequestContext(
+            endpoint=endpoint,
+            body=body,
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            stream=bool(body.get("stream")),
+        )
+        return self._observed(ctx, self._route(ctx))
+
+    async def _observed(self, ctx: RequestContext, flow: Flow) -> Flow:
+        """Relays `flow` and records the request's metrics when it ends, however it ends."""
+        try:
+            async for item in flow:
+                if isinstance(item, ResponseHead):
+                    ctx.status = item.status
+                elif ctx.first_byte_at is None:
+                    now = time.perf_counter()
+                    ctx.first_byte_at = now
+                    self.metrics.added.observe(max(0.0, now - ctx.started - ctx.upstream_wait_s))
+                    if ctx.stream and ctx.status == 200:
+                        self.metrics.ttft.labels(ctx.endpoint).observe(now - ctx.started)
+                yield item
+        except (GeneratorExit, asyncio.CancelledError):
+            ctx.outcome = "aborted"
+            raise
+        finally:
+            await flow.aclose()
+            self.metrics.requests.labels(ctx.endpoint, ctx.outcome).inc()
+            self.metrics.e2e.labels(ctx.endpoint).observe(time.perf_counter() - ctx.started)
+
+    async def _route(self, ctx: RequestContext) -> Flow:
+        disaggregate = (
+            is_single_prompt(ctx.endpoint, ctx.body)
+            and self.pool.available(("prefill",))
+            and self.pool.available(("decode",))
+        )
+        flow = self._disaggregated(ctx) if disaggregate else self._plain(ctx)
+        try:
+            async for item in flow:
+                yield item
+        finally:
+            await flow.aclose()
+
+    # ---- upstream calls -------------------------------------------------------------------------
+
+    async def _open_leg(
+        self,
+        ctx: RequestContext,
+        leg_name: str,
+        roles: tuple[Role, ...],
+        policy: Policy,
+        body: dict[str, Any],
+        timeout: aiohttp.ClientTimeout,
+        prefix: Sequence[int] = (),
+    ) -> Leg:
+        """Sends `body` to a worker of `roles`, moving on to another one while workers refuse.
+
+        Returns once a worker answered with a status that is not a refusal (its body unread).
+        """
+        payload = json.dumps(body).encode()
+        headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
+        tried: list[str] = []
+        failures: list[str] = []
+        dropped: set[str] = set()
+        for _ in range(self.config.max_attempts):
+            candidates = self.pool.available(roles, exclude=tried)
+            if not candidates:
+                break
+            worker = policy.choose(candidates, prefix)
+            tried.append(worker.url)
+            self.pool.begin(worker)
+            try:
+                response = await self.session.post(
+                    worker.url + PATHS[ctx.endpoint], data=payload, headers=headers, timeout=timeout
+                )
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                self.pool.finish(worker)
+                self.pool.mark_down(worker, str(exc) or exc.__class__.__name__)
+                failures.append(f"{worker.url} is unreachable")
+            except asyncio.TimeoutError as exc:  # connected, but no answer within the timeout
+                self.pool.finish(worker)
+                raise LegTimeout(
+                    f"the {leg_name} worker {worker.url} did not answer in time"
+                ) from exc
+            except aiohttp.ClientConnectionError as exc:
+                self.pool.finish(worker)
+                failures.append(f"{worker.url} dropped the connection ({exc.__class__.__name__})")
+                if worker.url not in dropped:  # maybe an idle pooled connection it had closed:
+                    dropped.add(worker.url)  # the same worker gets one more try
+                    tried.remove(worker.url)
+            except BaseException:
+                self.pool.finish(worker)
+                raise
+            else:
+                if response.status not in REFUSAL_STATUSES:
+                    return Leg(self.pool, worker, response)
+                try:
+                    detail = (await response.text())[:200]
+                except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+                    detail = ""
+                finally:
+                    response.close()
+                    self.pool.finish(worker)
+                failures.append(f"{worker.url} answered {response.status} {detail}".rstrip())
+            self.metrics.refusals.labels(leg_name).inc()
+        pool_name = " or ".join(roles)
+        if not failures:
+            raise NoWorker(f"no {pool_name} worker is available")
+        raise NoWorker(f"no {pool_name} worker could take the request: " + "; ".join(failures))
+
+    @staticmethod
+    async def _read_leg(leg: Leg) -> bytes:
+        """The whole body of a leg; the leg is closed after."""
+        try:
+            return await leg.response.read()
+        finally:
+            leg.close()
+
+    def _release(self, worker: Worker, kv_transfer_params: dict[str, Any]) -> None:
+        """Frees a prefill lease in the background (it must outlive a cancelled request)."""
+        request_id = kv_transfer_params.get("remote_request_id")
+        if request_id is None:
+            return
+        self.metrics.kv_releases.inc()
+
+        async def release() -> None:
+            try:
+                async with self.session.post(
+                    worker.url + "/v1/kv/release",
+                    json={"remote_request_id": request_id},
+                    timeout=RELEASE_TIMEOUT,
+                ) as response:
+                    await response.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                logger.warning("releasing %s on %s failed: %r", request_id, worker.url, exc)
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- answers that end a request before its first byte --------------------------------------
+
+    @staticmethod
+    def _refusal(
+        ctx: RequestContext, status: int, message: str, code: str, outcome: str
+    ) -> tuple[ResponseHead, bytes]:
+        ctx.outcome = outcome
+        error_type = "invalid_request_error" if status < 500 else "server_error"
+        return ResponseHead(status, "application/json"), error_body(message, error_type, code)
+
+    @staticmethod
+    def _relayed(ctx: RequestContext, leg: Leg, data: bytes) -> tuple[ResponseHead, bytes]:
+        """A worker's answer passed on with its status and content type."""
+        status = leg.response.status
+        if status >= 400:
+            ctx.outcome = "client_error" if status < 500 else "upstream_error"
+        media_type = leg.response.headers.get("content-type", "application/json")
+        return ResponseHead(status, media_type), data
+
+    # ---- plain: one leg -------------------------------------------------------------------------
+
+    async def _plain(self, ctx: RequestContext) -> Flow:
+        try:
+            with waiting_on_workers(ctx):
+                leg = await self._open_leg(
+                    ctx,
+                    "plain",
+                    ("decode", "both"),
+                    self.decode_policy,
+                    ctx.body,
+                    self._read_timeout,
+                )
+        except NoWorker as exc:
+            for item in self._refusal(ctx, 503, str(exc), "no_worker", "no_worker"):
+                yield item
+            return
+        except LegTimeout as exc:
+            for item in self._refusal(ctx, 504, str(exc), "upstream_timeout", "upstream_error"):
+                yield item
+            return
+
+        if leg.response.status != 200 or not ctx.stream:
+            try:
+                with waiting_on_workers(ctx):
+                    data = await self._read_leg(leg)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                message = f"the worker {leg.worker.url} failed: {exc!r}"
+                for item in self._refusal(ctx, 502, message, "upstream_error", "upstream_error"):
+                    yield item
+                return
+            for item in self._relayed(ctx, leg, data):
+                yield item
+            return
+
+        try:
+            yield SSE_HEAD
+            finished = False
+            async for payload in iter_sse_data(leg.response.content.iter_any()):
+                if finished:
+                    continue  # drained to the end, so the connection can be reused
+                yield b"data: " + payload + b"\n\n"
+                finished = payload == b"[DONE]"
+            if not finished:
+                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            ctx.outcome = "upstream_error"
+            yield error_event(f"the worker {leg.worker.url} failed mid-stream: {exc!r}", "upstream")
+        finally:
+            leg.close()
+
+    # ---- disaggregated: prefill leg, then decode leg --------------------------------------------
+
+    async def _disaggregated(self, ctx: RequestContext) -> Flow:
+        prefix: list[int] = []
+        if self.prefill_policy.uses_prefix:
+            units = prompt_units(ctx.endpoint, ctx.body)
+            prefix = prefix_hashes(units, self.config.prefix_block_chars)
+        try:
+            with waiting_on_workers(ctx):
+                prefill = await self._open_leg(
+                    ctx,
+                    "prefill",
+                    ("prefill",),
+                    self.prefill_policy,
+                    prefill_leg_body(ctx.body),
+                    self._prefill_timeout,
+                    prefix,
+                )
+                data = await self._read_leg(prefill)
+        except NoWorker as exc:
+            for item in self._refusal(ctx, 503, str(exc), "no_worker", "no_worker"):
+                yield item
+            return
+        except (LegTimeout, asyncio.TimeoutError) as exc:
+            message = f"the prefill leg timed out: {exc}"
+            for item in self._refusal(ctx, 504, message, "upstream_timeout", "upstream_error"):
+                yield item
+            return
+        except aiohttp.ClientError as exc:
+            message = f"the prefill worker failed: {exc!r}"
+            for item in self._refusal(ctx, 502, message, "upstream_error", "upstream_error"):
+                yield item
+            return
+
+        if prefill.response.status != 200:
+            for item in self._relayed(ctx, prefill, data):
+                yield item
+            return
+        try:
+            answer = json.loads(data)
+            first_choice = answer["choices"][0]
+            kv_transfer_params = answer.get("kv_transfer_params")
+        except (ValueError, KeyError, IndexError, TypeError):
+            message = f"the prefill worker {prefill.worker.url} sent a malformed answer"
+            for item in self._refusal(ctx, 502, message, "upstream_error", "upstream_error"):
+                yield item
+            return
+        first_text = choice_text(ctx.endpoint, first_choice, streamed=False)
+
+        if kv_transfer_params is None or wants_one_token(ctx.endpoint, ctx.body):
+            if kv_transfer_params is not None:
+                self._release(prefill.worker, kv_transfer_params)
+            answer.pop("kv_transfer_params", None)
+            if ctx.stream:
+                yield SSE_HEAD
+                for chunk in self._prefill_only_chunks(ctx, answer, first_text):
+                    yield chunk
+            else:
+                yield JSON_HEAD
+                yield json.dumps(answer).encode()
+            return
+
+        decode_body = dict(ctx.body, kv_transfer_params=kv_transfer_params)
+        flow = (
+            self._decode_streamed(ctx, answer, first_text, prefill.worker, decode_body)
+            if ctx.stream
+            else self._decode_whole(ctx, prefill.worker, decode_body)
+        )
+        try:
+            async for item in flow:
+                yield item
+        finally:
+            await flow.aclose()
+
+    def _open_decode_leg(self, ctx: RequestContext, decode_body: dict[str, Any]) -> Any:
+        return self._open_leg(
+            ctx, "decode", ("decode",), self.decode_policy, decode_body, self._read_timeout
+        )
+
+    async def _decode_whole(
+        self, ctx: RequestContext, prefill_worker: Worker, decode_body: dict[str, Any]
+    ) -> Flow:
+        kv_transfer_params = decode_body["kv_transfer_params"]
+        completed = False
+        try:
+            with waiting_on_workers(ctx):
+                leg = await self._open_decode_leg(ctx, decode_body)
+                data = await self._read_leg(leg)
+        except NoWorker as exc:
+            for item in self._refusal(ctx, 503, str(exc), "no_worker", "no_worker"):
+                yield item
+        except (LegTimeout, asyncio.TimeoutError) as exc:
+            message = f"the decode leg timed out: {exc}"
+            for item in self._refusal(ctx, 504, message, "upstream_timeout", "upstream_error"):
+                yield item
+        except aiohttp.ClientError as exc:
+            message = f"the decode worker failed: {exc!r}"
+            for item in self._refusal(ctx, 502, message, "upstream_error", "upstream_error"):
+                yield item
+        else:
+            completed = leg.response.status == 200
+            for item in self._relayed(ctx, leg, data):
+                yield item
+        finally:
+            if not completed:
+                self._release(prefill_worker, kv_transfer_params)
+
+    def _prefill_only_chunks(
+        self, ctx: RequestContext, answer: dict[str, Any], first_text: str
+    ) -> list[bytes]:
+        """A whole streamed answer made from the prefill leg's answer alone."""
+        choice = answer["choices"][0]
+        chunks = [
+            self._first_chunk(ctx, answer, first_text),
+            sse_event(self._chunk(ctx, answer, "", choice.get("finish_reason"), delta={})),
+        ]
+        if (ctx.body.get("stream_options") or {}).get("include_usage"):
+            usage_chunk = self._chunk(ctx, answer, "", None, delta={})
+            usage_chunk["choices"] = []
+            usage_chunk["usage"] = answer.get("usage")
+            chunks.append(sse_event(usage_chunk))
+        chunks.append(b"data: [DONE]\n\n")
+        return chunks
+
+    def _chunk(
+        self,
+        ctx: RequestContext,
+        answer: dict[str, Any],
+        text: str,
+        finish_reason: str | None,
+        *,
+        delta: dict[str, Any],
+    ) -> dict[str, Any]:
+        if ctx.endpoint == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+            object_name = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+            object_name = "text_completion"
+        choice["finish_reason"] = finish_reason
+        return {
+            "id": ctx.request_id,
+            "object": object_name,
+            "created": answer.get("created", int(time.time())),
+            "model": answer.get("model"),
+            "choices": [choice],
+        }
+
+    def _first_chunk(self, ctx: RequestContext, answer: dict[str, Any], first_text: str) -> bytes:
+        chunk = self._chunk(
+            ctx, answer, first_text, None, delta={"role": "assistant", "content": first_text}
+        )
+        chunk["choices"][0]["logprobs"] = answer["choices"][0].get("logprobs")
+        return sse_event(chunk)
+
+    async def _decode_streamed(
+        self,
+        ctx: RequestContext,
+        answer: dict[str, Any],
+        first_text: str,
+        prefill_worker: Worker,
+        decode_body: dict[str, Any],
+    ) -> Flow:
+        kv_transfer_params = decode_body["kv_transfer_params"]
+        # The decode leg starts before the first token is sent, so the KV transfer overlaps it.
+        opening = asyncio.ensure_future(self._open_decode_leg(ctx, decode_body))
+        leg: Leg | None = None
+        completed = False
+        try:
+            yield SSE_HEAD
+            yield self._first_chunk(ctx, answer, first_text)
+            try:
+                leg = await opening
+            except NoWorker as exc:
+                ctx.outcome = "no_worker"
+                yield error_event(str(exc), "no_worker")
+                return
+            except (LegTimeout, asyncio.TimeoutError) as exc:
+                ctx.outcome = "upstream_error"
+                yield error_event(f"the decode leg timed out: {exc}", "upstream_timeout")
+                return
+            if leg.response.status != 200:
+                yield await self._decode_refusal_event(ctx, leg)
+                return
+            async for event in self._relay_decode(ctx, leg, len(first_text)):
+                yield event
+            completed = True
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            ctx.outcome = "upstream_error"
+            worker = leg.worker.url if leg is not None else "?"
+            yield error_event(f"the decode worker {worker} failed mid-stream: {exc!r}", "upstream")
+        except (GeneratorExit, asyncio.CancelledError):
+            completed = leg is not None  # the client left mid-decode: the decode worker aborts
+            raise
+        finally:
+            if not opening.done():
+                opening.cancel()
+            opening.add_done_callback(_close_opened_leg)
+            if leg is not None:
+                leg.close()
+            if not completed:
+                self._release(prefill_worker, kv_transfer_params)
+
+    async def _decode_refusal_event(self, ctx: RequestContext, leg: Leg) -> bytes:
+        status = leg.response.status
+        ctx.outcome = "client_error" if status < 500 else "upstream_error"
+        try:
+            detail = (await self._read_leg(leg)).decode(errors="replace")
+            message = json.loads(detail)["error"]["message"]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+            message = f"the decode worker {leg.worker.url} answered {status}"
+        return error_event(message, str(status))
+
+    async def _relay_decode(self, ctx: RequestContext, leg: Leg, skip: int) -> Flow:
+        """The decode stream as client events: our id, and the first `skip` characters cut."""
+        text_key = "text" if ctx.endpoint == "completions" else "content"
+        async for payload in iter_sse_data(leg.response.content.iter_any()):
+            if payload == b"[DONE]":
+                yield b"data: [DONE]\n\n"
+                await leg.response.read()  # drained to the end, so the connection can be reused
+                return
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                ctx.outcome = "upstream_error"
+                yield b"data: " + payload + b"\n\n"
+                continue
+            chunk["id"] = ctx.request_id
+            choices = chunk.get("choices") or []
+            for choice in choices:
+                holder = choice if ctx.endpoint == "completions" else (choice.get("delta") or {})
+                holder.pop("role", None)
+                if skip and holder.get(text_key):
+                    text = holder[text_key]
+                    cut = min(skip, len(text))
+                    holder[text_key] = text[cut:]
+                    skip -= cut
+                    if not holder[text_key]:
+                        choice["logprobs"] = None  # the first token's were sent already
+            if (
+                choices
+                and not chunk.get("usage")
+                and all(_is_empty(c, ctx.endpoint) for c in choices)
+            ):
+                continue
+            yield sse_event(chunk)
+        raise aiohttp.ClientPayloadError("the decode stream ended without [DONE]")
+
+
+def _is_empty(choice: dict[str, Any], endpoint: str) -> bool:
+    """True for a chunk choice that carries nothing for the client (its text was cut)."""
+    if choice.get("finish_reason") is not None or choice.get("logprobs"):
+        return False
+    if endpoint == "completions":
+        return not choice.get("text")
+    return not any((choice.get("delta") or {}).values())
+
+
+def _close_opened_leg(task: asyncio.Future[Leg]) -> None:
+    """Closes a decode leg whose opening finished after its request was given up."""
+    if not task.cancelled() and task.exception() is None and not task.result().closed:
+        task.result().close()

@@ -1,0 +1,214 @@
+"""The pool of workers the router knows, and which of them may take requests now.
+
+A worker is known either statically (a command-line URL; it stays known for the router's life) or
+by registration (`POST /internal/workers/register`; it is forgotten when its heartbeats stop for
+`heartbeat_timeout_s`, or when it deregisters). A known worker is *in the pool* while it is
+healthy:
+
+* every `health_interval_s` the router calls each worker's `GET /health`; `health_failures`
+  failures in a row take it out, one success brings it back;
+* a connection refused or reset while proxying takes it out at once (the next good health check
+  brings it back);
+* a registered worker whose last heartbeat is older than `heartbeat_timeout_s` is out.
+
+Every worker, static or registered, enters the pool only through a passing health check: the
+router runs one round before it serves, and checks a registering worker at once (a heartbeat
+from a worker out of the pool triggers another check), so registration is discovery, never a
+claim of health. All state is touched from the router's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import aiohttp
+
+from tandem.router.config import ROLES, Role, RouterConfig, normalize_url
+from tandem.router.metrics import RouterMetrics
+
+logger = logging.getLogger("tandem.router")
+
+
+@dataclass
+class Worker:
+    url: str
+    role: Role
+    model: str | None = None
+    static: bool = True
+    healthy: bool = False
+    consecutive_failures: int = 0
+    last_heartbeat: float = 0.0
+    outstanding: int = 0
+    checking: bool = False
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "model": self.model,
+            "static": self.static,
+            "healthy": self.healthy,
+            "outstanding": self.outstanding,
+        }
+
+
+class WorkerPool:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._workers: dict[str, Worker] = {}
+        for role, urls in (
+            ("prefill", config.prefill_urls),
+            ("decode", config.decode_urls),
+            ("both", config.both_urls),
+        ):
+            for url in urls:
+                self._add(Worker(url=url, role=role, static=True))
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def _add(self, worker: Worker) -> None:
+        self._workers[worker.url] = worker
+        self._publish(worker)
+
+    def _publish(self, worker: Worker) -> None:
+        self._metrics.healthy.labels(worker.url, worker.role).set(1 if worker.healthy else 0)
+        self._metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
+
+    def register(self, url: str, role: Role, model: str | None) -> Worker:
+        """Add a worker that announced itself, or refresh one already known (a heartbeat)."""
+        url = normalize_url(url)
+        worker = self._workers.get(url)
+        if worker is not None and worker.role != role:
+            self._metrics.forget_worker(worker.url, worker.role)
+            worker.role = role
+        if worker is None:
+            worker = Worker(url=url, role=role, static=False)
+            self._workers[url] = worker
+            logger.info("worker %s (%s) registered", url, role)
+        if model:
+            worker.model = model
+        worker.last_heartbeat = time.monotonic()
+        self._publish(worker)
+        return worker
+
+    def deregister(self, url: str) -> bool:
+        worker = self._workers.get(normalize_url(url))
+        if worker is None:
+            return False
+        if worker.static:
+            worker.healthy = False
+            self._publish(worker)
+        else:
+            del self._workers[worker.url]
+            self._metrics.forget_worker(worker.url, worker.role)
+        logger.info("worker %s (%s) deregistered", worker.url, worker.role)
+        return True
+
+    def _expire_silent(self) -> None:
+        deadline = time.monotonic() - self._config.heartbeat_timeout_s
+        for worker in list(self._workers.values()):
+            if not worker.static and worker.last_heartbeat < deadline:
+                del self._workers[worker.url]
+                self._metrics.forget_worker(worker.url, worker.role)
+                logger.warning("worker %s (%s) missed its heartbeats", worker.url, worker.role)
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    def workers(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def available(self, roles: Iterable[Role], exclude: Iterable[str] = ()) -> list[Worker]:
+        """Workers in the pool with one of `roles`, minus the URLs in `exclude`."""
+        deadline = time.monotonic() - self._config.heartbeat_timeout_s
+        excluded = set(exclude)
+        return [
+            worker
+            for worker in self._workers.values()
+            if worker.role in roles
+            and worker.healthy
+            and (worker.static or worker.last_heartbeat >= deadline)
+            and worker.url not in excluded
+        ]
+
+    def counts(self) -> dict[str, int]:
+        """Workers in the pool, by role."""
+        return {role: len(self.available((role,))) for role in ROLES}
+
+    def models(self) -> list[str]:
+        seen = (worker.model for worker in self.available(ROLES) if worker.model)
+        return list(dict.fromkeys(seen))
+
+    # ---- load and health --------------------------------------------------------------------
+
+    def begin(self, worker: Worker) -> None:
+        """Count one more request in flight on `worker`; `finish` undoes it."""
+        worker.outstanding += 1
+        self._metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
+
+    def finish(self, worker: Worker) -> None:
+        worker.outstanding -= 1
+        if self._workers.get(worker.url) is worker:
+            self._metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
+
+    def mark_down(self, worker: Worker, reason: str) -> None:
+        """Take a worker out of the pool at once (it refused a connection or dropped one)."""
+        if worker.healthy:
+            logger.warning("worker %s (%s) is down: %s", worker.url, worker.role, reason)
+        worker.healthy = False
+        worker.consecutive_failures = max(worker.consecutive_failures, 1)
+        self._publish(worker)
+
+    def _record_check(self, worker: Worker, ok: bool) -> None:
+        if self._workers.get(worker.url) is not worker:
+            return  # forgotten while its check was in flight
+        if ok:
+            if not worker.healthy:
+                logger.info("worker %s (%s) is healthy", worker.url, worker.role)
+            worker.healthy = True
+            worker.consecutive_failures = 0
+        else:
+            worker.consecutive_failures += 1
+            if worker.healthy and worker.consecutive_failures >= self._config.health_failures:
+                logger.warning("worker %s (%s) failed its health checks", worker.url, worker.role)
+                worker.healthy = False
+        self._publish(worker)
+
+    async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+        """Health-check one worker, unless a check of it is already in flight."""
+        if worker.checking:
+            return
+        worker.checking = True
+        try:
+            await self._check(session, worker)
+        finally:
+            worker.checking = False
+
+    async def _check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self._config.health_timeout_s)
+        try:
+            async with session.get(worker.url + "/health", timeout=timeout) as response:
+                ok = response.status == 200
+            if ok and worker.model is None:
+                async with session.get(worker.url + "/v1/models", timeout=timeout) as response:
+                    if response.status == 200:
+                        data = (await response.json()).get("data") or []
+                        worker.model = data[0]["id"] if data else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+            ok = False
+        self._record_check(worker, ok)
+
+    async def check_all(self, session: aiohttp.ClientSession) -> None:
+        """One health round: expire silent registered workers, then check every known one."""
+        self._expire_silent()
+        workers = list(self._workers.values())
+        await asyncio.gather(*(self.check(session, worker) for worker in workers))
+
+    async def run_health_checks(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(self._config.health_interval_s)
+            await self.check_all(session)

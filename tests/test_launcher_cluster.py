@@ -1,0 +1,151 @@
+"""Cluster descriptions: parsing, the refusals of inconsistent ones, and the commands planned."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem.launcher.cli import DEFAULT_CLUSTER, add_parser, cluster_overrides
+from tandem.launcher.cluster import (
+    ClusterError,
+    load_cluster_file,
+    merge_overrides,
+    parse_cluster,
+)
+from tandem.launcher.supervisor import plan_processes
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster.yaml"
+
+PD_ROLES = """
+roles:
+  prefill: {count: 1, engine: {block_size: 16, kv_transport: tcp}}
+  decode: {count: 1, engine: {block_size: 16, kv_transport: tcp}}
+"""
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_the_example_file_describes_one_prefill_and_one_decode_worker():
+    spec = parse_cluster(load_cluster_file(EXAMPLE), str(EXAMPLE))
+    assert (spec.roles.prefill.count, spec.roles.decode.count, spec.roles.both.count) == (1, 1, 0)
+    assert spec.model == "smollm2-135m-instruct"
+    assert spec.engine_of("decode").worker_flags() == [
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        "64",
+        "--kv-transport",
+        "tcp",
+    ]
+    assert (spec.ports.router, spec.worker_port_base, spec.kv_port_base) == (8000, 8100, 8200)
+
+
+def test_flags_override_the_defaults_and_the_file():
+    args = serve_args("--prefill", "2", "--port", "9000", "--model", "m", "--device", "cpu")
+    spec = parse_cluster(merge_overrides(DEFAULT_CLUSTER, cluster_overrides(args)))
+    assert (spec.roles.prefill.count, spec.roles.decode.count) == (2, 1)
+    assert (spec.model, spec.device, spec.ports.router, spec.worker_port_base) == (
+        "m",
+        "cpu",
+        9000,
+        9100,
+    )
+    assert spec.engine_of("prefill").kv_transport == "tcp"
+    assert DEFAULT_CLUSTER["roles"]["prefill"]["count"] == 1  # the defaults were not modified
+
+    data = yaml.safe_load(EXAMPLE.read_text())
+    spec = parse_cluster(merge_overrides(data, cluster_overrides(serve_args("--decode", "3"))))
+    assert spec.roles.decode.count == 3 and spec.roles.decode.engine.max_num_seqs == 64
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (PD_ROLES + "prots: {router: 1}", "unknown key prots"),
+        (
+            PD_ROLES.replace("block_size: 16, kv", "blocksize: 16, kv", 1),
+            "unknown key roles.prefill",
+        ),
+        (PD_ROLES + "device: tpu", "device"),
+        ("roles: {prefill: {count: -1}}", "roles.prefill.count"),
+        (
+            PD_ROLES.replace("count: 1,", "count: 1, model: other,", 1),
+            "every role must serve the same model",
+        ),
+        (
+            PD_ROLES.replace("block_size: 16", "block_size: 32", 1),
+            "roles.prefill.engine.block_size (32) differs from roles.decode.engine.block_size (16)",
+        ),
+        (
+            PD_ROLES.replace("{block_size: 16,", "{block_size: 16, dtype: float16,", 1),
+            "roles.prefill.engine.dtype (float16) differs",
+        ),
+        (
+            PD_ROLES.replace("kv_transport: tcp}}\n", "kv_transport: cuda-ipc}}\n", 1),
+            "roles.prefill.engine.kv_transport (cuda-ipc) differs",
+        ),
+        (
+            "roles: {prefill: {count: 1}, decode: {count: 1}}",
+            "decode workers have no way to receive KV",
+        ),
+        ("roles: {prefill: {count: 1}}", "no decode worker"),
+        ("roles: {decode: {count: 2, engine: {kv_transport: tcp}}}", "no prefill worker"),
+        ("roles: {both: {count: 0}}", "no workers"),
+        (
+            "device: cpu\nroles: {prefill: {count: 1}, decode: {count: 1, engine: "
+            "{kv_transport: cuda-ipc}}}",
+            "cuda-ipc KV transport needs GPUs",
+        ),
+        (PD_ROLES + "ports: {router: 8000, workers: 8001, kv: 8002}", "overlap"),
+        (PD_ROLES + "ports: {router: 8101, workers: 8100}", "router port 8101"),
+        ("- a\n- b", "the top level must be a mapping"),
+    ],
+)
+def test_inconsistent_clusters_are_refused_with_one_sentence(text, expected):
+    with pytest.raises(ClusterError) as refusal:
+        parse_cluster(yaml.safe_load(text), "cluster.yaml")
+    message = str(refusal.value)
+    assert expected in message
+    assert "\n" not in message and message.endswith(".")
+
+
+def test_unreadable_files_are_refused(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("roles: [unclosed")
+    with pytest.raises(ClusterError, match="is not valid YAML"):
+        load_cluster_file(broken)
+    with pytest.raises(ClusterError, match="Cannot read the cluster file"):
+        load_cluster_file(tmp_path / "missing.yaml")
+
+
+def test_planned_commands_follow_the_worker_cli_and_pin_gpus(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    data = yaml.safe_load(PD_ROLES)
+    spec = parse_cluster(merge_overrides(data, {"roles.both.count": 1, "ports.router": 7000}))
+    assert "both" not in data["roles"]  # merging copies, it does not modify
+    plans = plan_processes(spec, "cuda", num_gpus=2, python="py")
+    assert [plan.name for plan in plans] == ["prefill-0", "decode-0", "both-0", "router"]
+    assert plans[0].argv == (
+        "py", "-m", "tandem.cli", "worker", "--model", "smollm2-135m-instruct",
+        "--role", "prefill", "--host", "127.0.0.1", "--port", "7100", "--kv-port", "7200",
+        "--device", "cuda", "--block-size", "16", "--kv-transport", "tcp",
+    )  # fmt: skip
+    assert [plan.env.get("CUDA_VISIBLE_DEVICES") for plan in plans] == ["0", "1", "0", None]
+    assert plans[2].argv[plans[2].argv.index("--port") + 1] == "7102"
+    assert plans[-1].argv == (
+        "py", "-m", "tandem.cli", "router", "--host", "127.0.0.1", "--port", "7000",
+        "--prefill", "http://127.0.0.1:7100", "--decode", "http://127.0.0.1:7101",
+        "--worker", "http://127.0.0.1:7102",
+    )  # fmt: skip
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    plans = plan_processes(spec, "cuda", num_gpus=2, python="py")
+    assert [plan.env.get("CUDA_VISIBLE_DEVICES") for plan in plans] == ["4", "5", "4", None]
+    assert all(plan.env == {} for plan in plan_processes(spec, "cpu", num_gpus=0))

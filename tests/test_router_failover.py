@@ -1,0 +1,135 @@
+"""A decode worker killed while requests stream through `tandem router`, all in real processes.
+
+The workers are fake (tandem.router.fake_worker: the completion of "a b" is " a b a b ...");
+the router is the real command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import tandem
+
+SRC = str(Path(tandem.__file__).resolve().parents[1])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    processes: list[subprocess.Popen[bytes]] = []
+    env = dict(os.environ, PYTHONPATH=SRC)
+
+    def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
+        process = subprocess.Popen(
+            [sys.executable, "-m", *args], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+        process.wait()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_killing_the_decode_worker_mid_stream(spawn):
+    prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
+    fake = ("tandem.router.fake_worker", "--host", "127.0.0.1")
+    spawn("prefill", *fake, "--role", "prefill", "--port", str(prefill_port))
+    decode_args = (*fake, "--role", "decode", "--port", str(decode_port), "--token-delay", "0.05")
+    decode = spawn("decode", *decode_args)
+    router_url = f"http://127.0.0.1:{router_port}"
+    spawn(
+        "router",
+        "tandem.cli",
+        "router",
+        "--port",
+        str(router_port),
+        "--prefill",
+        f"http://127.0.0.1:{prefill_port}",
+        "--decode",
+        f"http://127.0.0.1:{decode_port}",
+        "--health-interval",
+        "0.2",
+    )
+    client = httpx.Client(timeout=10)
+    wait_for(lambda: client.get(router_url + "/health").status_code == 200, timeout=20)
+
+    body = {"prompt": "a b", "max_tokens": 200, "stream": True}
+    streams: list[list[object]] = [[] for _ in range(4)]
+    started = [threading.Event() for _ in streams]
+
+    def read_stream(index: int) -> None:
+        with client.stream("POST", router_url + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: ") :]
+                    streams[index].append(data if data == "[DONE]" else json.loads(data))
+                    if len(streams[index]) == 3:
+                        started[index].set()
+
+    readers = [threading.Thread(target=read_stream, args=(i,)) for i in range(len(streams))]
+    for reader in readers:
+        reader.start()
+    for event in started:
+        assert event.wait(timeout=10), "the streams did not start"
+    decode.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    for reader in readers:
+        reader.join(timeout=10)
+    assert not any(reader.is_alive() for reader in readers), "a stream hung"
+    assert time.monotonic() - killed_at < 5
+
+    for payloads in streams:
+        assert payloads[-1] == "[DONE]"
+        error = payloads[-2]["error"]
+        assert "decode worker" in error["message"] and "failed mid-stream" in error["message"]
+        text = "".join(chunk["choices"][0]["text"] for chunk in payloads[:-2])
+        assert len(text) > 4 and (" a b" * 200).startswith(text)
+
+    asked_at = time.monotonic()
+    refused = client.post(router_url + "/v1/completions", json=dict(body, stream=False))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_worker"
+    assert time.monotonic() - asked_at < 3
+
+    prefill_stats = f"http://127.0.0.1:{prefill_port}/fake/stats"
+    # Every lease of a request whose decode leg failed was released: 4 streams + 1 refusal.
+    wait_for(lambda: len(client.get(prefill_stats).json()["released"]) == 5, timeout=5)
+
+    spawn("decode-again", *decode_args)
+    wait_for(lambda: client.get(router_url + "/health").status_code == 200, timeout=20)
+    answer = client.post(router_url + "/v1/completions", json={"prompt": "a b", "max_tokens": 3})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " a b a"
+    client.close()
