@@ -57,7 +57,7 @@ def test_flags_override_the_defaults_and_the_file():
         9000,
         9100,
     )
-    assert spec.engine_of("prefill").kv_transport == "tcp"
+    assert spec.engine_of("prefill").kv_transport == "auto"
     assert DEFAULT_CLUSTER["roles"]["prefill"]["count"] == 1  # the defaults were not modified
 
     data = yaml.safe_load(EXAMPLE.read_text())
@@ -125,8 +125,7 @@ def test_unreadable_files_are_refused(tmp_path):
         load_cluster_file(tmp_path / "missing.yaml")
 
 
-def test_planned_commands_follow_the_worker_cli_and_pin_gpus(monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+def test_planned_commands_follow_the_worker_cli_and_place_gpus():
     data = yaml.safe_load(PD_ROLES)
     spec = parse_cluster(merge_overrides(data, {"roles.both.count": 1, "ports.router": 7000}))
     assert "both" not in data["roles"]  # merging copies, it does not modify
@@ -135,9 +134,10 @@ def test_planned_commands_follow_the_worker_cli_and_pin_gpus(monkeypatch):
     assert plans[0].argv == (
         "py", "-m", "tandem.cli", "worker", "--model", "smollm2-135m-instruct",
         "--role", "prefill", "--host", "127.0.0.1", "--port", "7100", "--kv-port", "7200",
-        "--device", "cuda", "--block-size", "16", "--kv-transport", "tcp",
+        "--device", "cuda:0", "--block-size", "16", "--kv-transport", "tcp",
     )  # fmt: skip
-    assert [plan.env.get("CUDA_VISIBLE_DEVICES") for plan in plans] == ["0", "1", "0", None]
+    devices = [plan.argv[plan.argv.index("--device") + 1] for plan in plans[:-1]]
+    assert devices == ["cuda:0", "cuda:1", "cuda:0"]  # one GPU each, indices all workers share
     assert plans[2].argv[plans[2].argv.index("--port") + 1] == "7102"
     assert plans[-1].argv == (
         "py", "-m", "tandem.cli", "router", "--host", "127.0.0.1", "--port", "7000",
@@ -145,7 +145,11 @@ def test_planned_commands_follow_the_worker_cli_and_pin_gpus(monkeypatch):
         "--worker", "http://127.0.0.1:7102",
     )  # fmt: skip
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    plans = plan_processes(spec, "cuda", num_gpus=2, python="py")
-    assert [plan.env.get("CUDA_VISIBLE_DEVICES") for plan in plans] == ["4", "5", "4", None]
-    assert all(plan.env == {} for plan in plan_processes(spec, "cpu", num_gpus=0))
+
+@pytest.mark.parametrize(
+    ("device", "num_gpus", "transport"), [("cuda", 2, "cuda-ipc"), ("cpu", 0, "tcp")]
+)
+def test_auto_kv_transport_is_gpu_direct_on_gpus(device, num_gpus, transport):
+    spec = parse_cluster(DEFAULT_CLUSTER)
+    for plan in plan_processes(spec, device, num_gpus=num_gpus, python="py")[:-1]:
+        assert plan.argv[plan.argv.index("--kv-transport") + 1] == transport

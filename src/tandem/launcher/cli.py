@@ -1,7 +1,8 @@
 """`tandem serve`: a router and its workers on this host, from flags or a cluster YAML file.
 
 Flags given on the command line override the file; without a file, the cluster is one prefill
-and one decode worker on the default model with the TCP KV transport. Imports only argparse and
+and one decode worker on the default model; the KV transport is GPU-direct (cuda-ipc) when the
+workers run on GPUs, TCP otherwise. Imports only argparse and
 the standard library at import time.
 """
 
@@ -13,8 +14,8 @@ from typing import Any
 
 DEFAULT_CLUSTER: dict[str, Any] = {
     "roles": {
-        "prefill": {"count": 1, "engine": {"kv_transport": "tcp"}},
-        "decode": {"count": 1, "engine": {"kv_transport": "tcp"}},
+        "prefill": {"count": 1, "engine": {"kv_transport": "auto"}},
+        "decode": {"count": 1, "engine": {"kv_transport": "auto"}},
     }
 }
 
@@ -33,7 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--both", type=int, metavar="N", help="colocated workers (default 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: auto")
     parser.add_argument(
-        "--kv-transport", choices=("tcp", "cuda-ipc"), help="KV transport of prefill and decode"
+        "--kv-transport",
+        choices=("auto", "tcp", "cuda-ipc"),
+        help="KV transport of prefill and decode (default auto: cuda-ipc on GPUs, else tcp)",
     )
     parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="the router's port (default 8000)")

@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-KV_TRANSPORTS = ("tcp", "cuda-ipc")
+KV_TRANSPORTS = ("auto", "tcp", "cuda-ipc")
 
 
 class ClusterError(ValueError):
@@ -50,7 +50,7 @@ class EngineSettings(_Strict):
     num_kv_blocks: int | None = Field(default=None, gt=0)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
-    kv_transport: Literal["tcp", "cuda-ipc"] | None = None
+    kv_transport: Literal["auto", "tcp", "cuda-ipc"] | None = None  # auto: cuda-ipc on GPUs
     extra_args: tuple[str, ...] = ()
 
     def worker_flags(self) -> list[str]:
@@ -149,7 +149,7 @@ def check_cluster(spec: ClusterSpec) -> ClusterSpec:
         if decode.kv_transport is None:
             raise ClusterError(
                 "roles.decode.engine.kv_transport is not set, so the decode workers have no way "
-                "to receive KV from the prefill workers; set it to tcp or cuda-ipc."
+                "to receive KV from the prefill workers; set it to auto, tcp or cuda-ipc."
             )
         for field in ("block_size", "dtype", "kv_transport"):
             prefill_value = getattr(spec.engine_of("prefill"), field)

@@ -7,8 +7,10 @@ PR_SET_PDEATHSIG=SIGKILL, so it dies with the launcher even when the launcher is
 A child that exits on its own stops the whole cluster, and the launcher exits non-zero naming it.
 
 Ports: workers take `worker_port_base + i`, and `kv_port_base + i` for their KV listener, in the
-order prefill, decode, both. With GPUs, worker i sees only GPU i (mod the number of GPUs) through
-CUDA_VISIBLE_DEVICES.
+order prefill, decode, both. With GPUs, worker i runs on GPU i (mod the number of GPUs) as
+`--device cuda:i`; every worker sees the same GPUs under the same indices, which CUDA IPC between
+them needs. The KV transport `auto` becomes cuda-ipc on GPUs (all workers share this host) and
+tcp on CPUs.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TextIO
 
 import httpx
@@ -37,7 +39,6 @@ class ProcessPlan:
     argv: tuple[str, ...]
     url: str
     role: str  # "prefill" | "decode" | "both" | "router"
-    env: dict[str, str] = field(default_factory=dict)  # set on top of the launcher's
 
 
 def resolve_device(device: str) -> tuple[str, int]:
@@ -56,8 +57,7 @@ def plan_processes(
     spec: ClusterSpec, device: str, num_gpus: int, python: str = sys.executable
 ) -> list[ProcessPlan]:
     """The workers, then the router, with their command lines (nothing is started)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpu_ids = visible.split(",") if visible else [str(index) for index in range(num_gpus)]
+    transport = "cuda-ipc" if device == "cuda" else "tcp"
     plans: list[ProcessPlan] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     for role in ("prefill", "decode", "both"):
@@ -67,12 +67,13 @@ def plan_processes(
             url = f"http://127.0.0.1:{port}"
             argv = [python, "-m", "tandem.cli", "worker", "--model", spec.model_of(role)]
             argv += ["--role", role, "--host", "127.0.0.1", "--port", str(port)]
-            argv += ["--kv-port", str(spec.kv_port_base + slot), "--device", device]
-            argv += spec.engine_of(role).worker_flags()
-            env = {}
-            if device == "cuda" and gpu_ids:
-                env["CUDA_VISIBLE_DEVICES"] = gpu_ids[slot % len(gpu_ids)]
-            plans.append(ProcessPlan(f"{role}-{index}", tuple(argv), url, role, env))
+            worker_device = f"cuda:{slot % num_gpus}" if device == "cuda" else device
+            argv += ["--kv-port", str(spec.kv_port_base + slot), "--device", worker_device]
+            engine = spec.engine_of(role)
+            if engine.kv_transport == "auto":
+                engine = engine.model_copy(update={"kv_transport": transport})
+            argv += engine.worker_flags()
+            plans.append(ProcessPlan(f"{role}-{index}", tuple(argv), url, role))
             urls[role].append(url)
     router = spec.router
     argv = [python, "-m", "tandem.cli", "router", "--host", router.host]
@@ -135,7 +136,6 @@ class Supervisor:
         for plan in self.plans:
             self.processes[plan.name] = subprocess.Popen(
                 plan.argv,
-                env={**os.environ, **plan.env},
                 start_new_session=True,
                 preexec_fn=hook,
             )
