@@ -191,7 +191,8 @@ def test_streamed_completion_runs_both_legs_and_keeps_openai_shapes(make_cluster
     assert prefill_request["kind"] == "prefill"
     leg = prefill_request["body"]
     assert leg["stream"] is False and leg["max_tokens"] == 1
-    assert "stream_options" not in leg and "min_tokens" not in leg
+    assert "stream_options" not in leg
+    assert leg["min_tokens"] == 1  # min_tokens 2: the first token may not be EOS either
     assert leg["kv_transfer_params"]["do_remote_decode"] is True
     (decode_request,) = cluster.decode[0].stats.requests
     assert decode_request["kind"] == "decode"

@@ -126,6 +126,8 @@ class Leg:
 
 def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
     leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
+    if body.get("min_tokens"):  # the first token may not end the request either
+        leg["min_tokens"] = 1
     leg["stream"] = False
     leg["max_tokens"] = 1
     if "max_completion_tokens" in body:
@@ -563,6 +565,8 @@ class Proxy:
             ctx, answer, first_text, None, delta={"role": "assistant", "content": first_text}
         )
         chunk["choices"][0]["logprobs"] = answer["choices"][0].get("logprobs")
+        if "token_ids" in answer["choices"][0]:  # the client asked for return_token_ids
+            chunk["choices"][0]["token_ids"] = answer["choices"][0]["token_ids"]
         return sse_event(chunk)
 
     async def _decode_streamed(
@@ -624,8 +628,10 @@ class Proxy:
         return error_event(message, str(status))
 
     async def _relay_decode(self, ctx: RequestContext, leg: Leg, skip: int) -> Flow:
-        """The decode stream as client events: our id, and the first `skip` characters cut."""
+        """The decode stream as client events: our id, and the first `skip` characters and the
+        first token id (both already sent from the prefill answer) cut."""
         text_key = "text" if ctx.endpoint == "completions" else "content"
+        skip_ids = 1
         async for payload in iter_sse_data(leg.response.content.iter_any()):
             if payload == b"[DONE]":
                 yield b"data: [DONE]\n\n"
@@ -641,6 +647,9 @@ class Proxy:
             for choice in choices:
                 holder = choice if ctx.endpoint == "completions" else (choice.get("delta") or {})
                 holder.pop("role", None)
+                if skip_ids and choice.get("token_ids"):
+                    choice["token_ids"] = choice["token_ids"][skip_ids:]
+                    skip_ids = 0
                 if skip and holder.get(text_key):
                     text = holder[text_key]
                     cut = min(skip, len(text))
@@ -660,7 +669,7 @@ class Proxy:
 
 def _is_empty(choice: dict[str, Any], endpoint: str) -> bool:
     """True for a chunk choice that carries nothing for the client (its text was cut)."""
-    if choice.get("finish_reason") is not None or choice.get("logprobs"):
+    if choice.get("finish_reason") is not None or choice.get("logprobs") or choice.get("token_ids"):
         return False
     if endpoint == "completions":
         return not choice.get("text")
