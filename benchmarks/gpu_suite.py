@@ -233,27 +233,30 @@ def transfer(limits: dict) -> dict:
         remote_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()
         local_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()
         stream = torch.cuda.Stream("cuda:1")
-        copy_blocks(remote, remote_ids, local, local_ids, stream)
-        ok = torch.equal(local[:, :, local_ids].cpu(), remote[:, :, remote_ids].cpu())
-        times = []
-        for _ in range(10):
-            start = time.perf_counter()
-            copy_blocks(remote, remote_ids, local, local_ids, stream)
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
+        result = {}
+        for method, use_kernel in (("kernel", True), ("gather", False)):
+            local.zero_()
+            copy_blocks(remote, remote_ids, local, local_ids, stream, use_kernel)
+            ok = torch.equal(local[:, :, local_ids].cpu(), remote[:, :, remote_ids].cpu())
+            times = []
+            for _ in range(10):
+                start = time.perf_counter()
+                copy_blocks(remote, remote_ids, local, local_ids, stream, use_kernel)
+                times.append(time.perf_counter() - start)
+            result[method] = (statistics.median(times), ok)
     finally:
         producer.stdin.write("\n")
         producer.stdin.flush()
         producer.wait(30)
     num_bytes = num_tokens * layers * 2 * kv_heads * head_dim * 2
-    rate = num_bytes / seconds / 1e9
-    return {
-        "bytes": num_bytes,
-        "cuda_ipc_ms": seconds * 1e3,
-        "cuda_ipc_GBps": rate,
-        "fraction_of_p2p": rate / limits["gpu0_to_gpu1_GBps"],
-        "bytes_identical": ok,
-    }
+    summary = {"bytes": num_bytes}
+    for method, (seconds, ok) in result.items():
+        rate = num_bytes / seconds / 1e9
+        summary[f"{method}_ms"] = seconds * 1e3
+        summary[f"{method}_GBps"] = rate
+        summary[f"{method}_fraction_of_p2p"] = rate / limits["gpu0_to_gpu1_GBps"]
+        summary[f"{method}_bytes_identical"] = ok
+    return summary
 
 
 def start_process(args: list[str], log: Path) -> subprocess.Popen:
@@ -377,7 +380,10 @@ def latency(limits: dict, log_dir: Path) -> dict:
             except ProcessLookupError:
                 pass
         for process in processes.values():
-            process.wait(30)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, 9)
 
 
 def print_table(title: str, rows: dict) -> None:

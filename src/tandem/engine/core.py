@@ -37,6 +37,8 @@ class EngineCore:
     ) -> None:
         self.config = config = config.resolved()
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # kernels launch on the current device
         self.source = resolve_model(config.model)
         self.model_config = self.source.config
         self.max_model_len = min(

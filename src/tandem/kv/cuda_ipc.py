@@ -9,7 +9,8 @@ local blocks (peer access):
     plane p = layer * 2 + (key | value), block pair i:
         local[p, local_block_ids[i]]  <-  remote[p, remote_block_ids[i]]      (one program each)
 
-Without Triton the copy falls back to a gather on the remote GPU and one peer copy.
+Without Triton the copy falls back to a gather on the remote GPU and one peer copy (slower: the
+bytes cross memory three times).
 
 Both workers must see the same GPUs under the same indices (the same CUDA_VISIBLE_DEVICES), since a
 handle names the device by its index. The TCP control channel of the connector still carries the
@@ -36,15 +37,20 @@ if triton is not None:
 
     @triton.jit
     def _copy_blocks_kernel(
-        src_ptr,
-        dst_ptr,
+        src_address,
+        dst_address,
         src_ids_ptr,
         dst_ids_ptr,
         src_plane_stride,
         dst_plane_stride,
         block_elems,
+        DTYPE: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
+        # The caches come as plain addresses: the remote one belongs to another GPU, which
+        # Triton's pointer-argument check refuses, while the kernel reads it fine over NVLink.
+        src_ptr = src_address.to(tl.pointer_type(DTYPE))
+        dst_ptr = dst_address.to(tl.pointer_type(DTYPE))
         pair = tl.program_id(0)
         plane = tl.program_id(1).to(tl.int64)
         offsets = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
@@ -57,6 +63,12 @@ if triton is not None:
         tl.store(dst_ptr + plane * dst_plane_stride + dst_block * block_elems + offsets, values,
                  mask=mask)  # fmt: skip
 
+    TRITON_DTYPES = {
+        torch.bfloat16: tl.bfloat16,
+        torch.float16: tl.float16,
+        torch.float32: tl.float32,
+    }
+
 
 def copy_blocks_kernel(
     remote_cache: torch.Tensor,
@@ -65,14 +77,14 @@ def copy_blocks_kernel(
     local_ids: torch.Tensor,
 ) -> None:
     """Launch the block copy on the current stream of local_cache's device. Caches:
-    [layers, 2, num_blocks, *block]; ids: int64 tensors on local_cache's device."""
+    [layers, 2, num_blocks, *block], contiguous; ids: int64 tensors on local_cache's device."""
     num_planes = remote_cache.shape[0] * remote_cache.shape[1]
     block_elems = remote_cache[0, 0, 0].numel()
     grid = (len(local_ids), num_planes, triton.cdiv(block_elems, COPY_CHUNK))
     _copy_blocks_kernel[grid](
-        remote_cache, local_cache, remote_ids, local_ids,
+        remote_cache.data_ptr(), local_cache.data_ptr(), remote_ids, local_ids,
         remote_cache.shape[2] * block_elems, local_cache.shape[2] * block_elems, block_elems,
-        CHUNK=COPY_CHUNK,
+        DTYPE=TRITON_DTYPES[local_cache.dtype], CHUNK=COPY_CHUNK,
     )  # fmt: skip
 
 
@@ -99,19 +111,24 @@ def copy_blocks(
     local_cache: torch.Tensor,
     local_block_ids: list[int],
     stream: torch.cuda.Stream,
+    use_kernel: bool = True,
 ) -> None:
     """Copy remote blocks into local blocks (all layers, keys and values) on `stream`, and wait
-    for the copy to finish. Caches: [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+    for the copy to finish. Caches: [layers, 2, num_blocks, block_size, kv_heads, head_dim].
+    use_kernel=False (or no Triton) gathers on the remote GPU and makes one peer copy instead."""
     local_device = local_cache.device
     with torch.cuda.stream(stream):
         local_ids = torch.tensor(local_block_ids, device=local_device)
-        if triton is not None:
+        if use_kernel and triton is not None:
             remote_ids = torch.tensor(remote_block_ids, device=local_device)
             copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids)
         else:
+            planes = remote_cache.shape[0] * remote_cache.shape[1]
             with torch.cuda.device(remote_cache.device):
                 remote_ids = torch.tensor(remote_block_ids, device=remote_cache.device)
-                gathered = remote_cache.index_select(2, remote_ids)
+                flat = remote_cache.view(planes, remote_cache.shape[2], -1)
+                gathered = flat[:, remote_ids]  # [planes, n, block elements], on the remote GPU
                 torch.cuda.current_stream(remote_cache.device).synchronize()
-            local_cache.index_copy_(2, local_ids, gathered.to(local_device, non_blocking=True))
+            moved = gathered.to(local_device, non_blocking=True)
+            local_cache.view(planes, local_cache.shape[2], -1)[:, local_ids] = moved
     stream.synchronize()
