@@ -213,14 +213,12 @@ sys.stdin.readline()
 """
 
 
-def transfer(limits: dict) -> dict:
-    """A 10k-token KV of the Qwen3-0.6B shape: producer process on GPU 0, copy into GPU 1."""
+def transfer_child(method: str) -> None:
+    """One copy method in its own process (a fault there cannot take the suite down); prints
+    its median seconds and whether the bytes arrived intact, as JSON."""
     from tandem.kv.cuda_ipc import copy_blocks, open_handle
 
-    layers, kv_heads, head_dim, block_size = 28, 8, 128, 16
-    num_tokens = 10240
-    num_blocks = num_tokens // block_size
-    shape = (layers, 2, 2 * num_blocks, block_size, kv_heads, head_dim)
+    shape = (TRANSFER_LAYERS, 2, 2 * TRANSFER_BLOCKS, 16, 8, 128)
     producer = subprocess.Popen(
         [sys.executable, "-c", TRANSFER_PRODUCER, ",".join(map(str, shape))],
         stdin=subprocess.PIPE,
@@ -230,32 +228,48 @@ def transfer(limits: dict) -> dict:
     try:
         remote = open_handle(producer.stdout.readline().strip(), torch.device("cuda:1"))
         local = torch.zeros(shape, dtype=torch.bfloat16, device="cuda:1")
-        remote_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()
-        local_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()
+        remote_ids = torch.randperm(2 * TRANSFER_BLOCKS)[:TRANSFER_BLOCKS].tolist()
+        local_ids = torch.randperm(2 * TRANSFER_BLOCKS)[:TRANSFER_BLOCKS].tolist()
         stream = torch.cuda.Stream("cuda:1")
-        result = {}
-        for method, use_kernel in (("kernel", True), ("gather", False)):
-            local.zero_()
+        use_kernel = method == "kernel"
+        copy_blocks(remote, remote_ids, local, local_ids, stream, use_kernel)
+        ok = torch.equal(local[:, :, local_ids].cpu(), remote[:, :, remote_ids].cpu())
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
             copy_blocks(remote, remote_ids, local, local_ids, stream, use_kernel)
-            ok = torch.equal(local[:, :, local_ids].cpu(), remote[:, :, remote_ids].cpu())
-            times = []
-            for _ in range(10):
-                start = time.perf_counter()
-                copy_blocks(remote, remote_ids, local, local_ids, stream, use_kernel)
-                times.append(time.perf_counter() - start)
-            result[method] = (statistics.median(times), ok)
+            times.append(time.perf_counter() - start)
+        print(json.dumps({"seconds": statistics.median(times), "ok": ok}))
     finally:
         producer.stdin.write("\n")
         producer.stdin.flush()
         producer.wait(30)
-    num_bytes = num_tokens * layers * 2 * kv_heads * head_dim * 2
-    summary = {"bytes": num_bytes}
-    for method, (seconds, ok) in result.items():
-        rate = num_bytes / seconds / 1e9
-        summary[f"{method}_ms"] = seconds * 1e3
+
+
+TRANSFER_LAYERS, TRANSFER_BLOCKS = 28, 640  # Qwen3-0.6B shape, 10,240 tokens in 16-token blocks
+
+
+def transfer(limits: dict) -> dict:
+    """A 10k-token KV of the Qwen3-0.6B shape: producer process on GPU 0, copy into GPU 1."""
+    num_bytes = TRANSFER_BLOCKS * 16 * TRANSFER_LAYERS * 2 * 8 * 128 * 2
+    summary: dict = {"bytes": num_bytes}
+    for method in ("kernel", "gather"):
+        child = subprocess.run(
+            [sys.executable, __file__, "--out", "-", "--transfer-child", method],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines = child.stdout.strip().splitlines()
+        if child.returncode != 0 or not lines:
+            summary[f"{method}_error"] = child.stderr.strip().splitlines()[-3:]
+            continue
+        measured = json.loads(lines[-1])
+        rate = num_bytes / measured["seconds"] / 1e9
+        summary[f"{method}_ms"] = measured["seconds"] * 1e3
         summary[f"{method}_GBps"] = rate
         summary[f"{method}_fraction_of_p2p"] = rate / limits["gpu0_to_gpu1_GBps"]
-        summary[f"{method}_bytes_identical"] = ok
+        summary[f"{method}_bytes_identical"] = measured["ok"]
     return summary
 
 
@@ -397,9 +411,13 @@ def print_table(title: str, rows: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--transfer-child", choices=("kernel", "gather"), help=argparse.SUPPRESS)
     parser.add_argument("--sections", default="ceilings,roofline,offline,transfer,latency")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
+    if args.transfer_child:
+        transfer_child(args.transfer_child)
+        return
     sections = args.sections.split(",")
     results: dict = {
         "device": torch.cuda.get_device_name(0),

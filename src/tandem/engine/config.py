@@ -40,6 +40,8 @@ class EngineConfig:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
         dtype = self.dtype
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else "bfloat16"

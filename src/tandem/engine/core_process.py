@@ -14,6 +14,7 @@ The loop blocks on its input only while it has nothing to do.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ def run_engine_core(
     config: EngineConfig, kv_config: Any, input_address: str, output_address: str
 ) -> None:
     """Process entry point: build the core, announce it, then step until told to stop."""
+    # A terminal's Ctrl-C reaches the whole process group; the API process decides when the
+    # engine stops (it finishes or aborts what is in flight first).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -2,9 +2,9 @@
 
 The prefill worker exports a handle to its whole KV cache once (it goes out with every prefill
 answer, a few hundred bytes). The decode worker opens it once per prefill engine, which maps the
-remote cache into its own address space, and then moves a request's blocks with one Triton
-kernel on its own GPU that reads the remote blocks over NVLink and writes them straight into its
-local blocks (peer access):
+remote cache into its own address space (on the remote GPU's context), and then moves a request's
+blocks with one Triton kernel launched on the remote GPU, which reads the remote blocks there and
+writes them over NVLink straight into the local blocks (peer access from the remote GPU to ours):
 
     plane p = layer * 2 + (key | value), block pair i:
         local[p, local_block_ids[i]]  <-  remote[p, remote_block_ids[i]]      (one program each)
@@ -47,8 +47,8 @@ if triton is not None:
         DTYPE: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
-        # The caches come as plain addresses: the remote one belongs to another GPU, which
-        # Triton's pointer-argument check refuses, while the kernel reads it fine over NVLink.
+        # The caches come as plain addresses: the local one belongs to another GPU, which
+        # Triton's pointer-argument check refuses, while the kernel writes it fine over NVLink.
         src_ptr = src_address.to(tl.pointer_type(DTYPE))
         dst_ptr = dst_address.to(tl.pointer_type(DTYPE))
         pair = tl.program_id(0)
@@ -76,8 +76,8 @@ def copy_blocks_kernel(
     local_cache: torch.Tensor,
     local_ids: torch.Tensor,
 ) -> None:
-    """Launch the block copy on the current stream of local_cache's device. Caches:
-    [layers, 2, num_blocks, *block], contiguous; ids: int64 tensors on local_cache's device."""
+    """Launch the block copy on the current stream of remote_cache's device. Caches:
+    [layers, 2, num_blocks, *block], contiguous; ids: int64 tensors on remote_cache's device."""
     num_planes = remote_cache.shape[0] * remote_cache.shape[1]
     block_elems = remote_cache[0, 0, 0].numel()
     grid = (len(local_ids), num_planes, triton.cdiv(block_elems, COPY_CHUNK))
@@ -96,13 +96,14 @@ def export_handle(kv_cache: torch.Tensor) -> str:
 
 
 def open_handle(handle: str, local_device: torch.device) -> torch.Tensor:
-    """Map the remote cache, and enable peer access between its GPU and ours both ways (torch
-    enables it on the first copy between two devices)."""
-    remote = rebuild_cuda_tensor(*pickle.loads(base64.b64decode(handle)))
-    if remote.device != local_device:
-        torch.zeros(1, device=remote.device).to(local_device)
-        torch.zeros(1, device=local_device).to(remote.device)
-    return remote
+    """Map the remote cache, after enabling peer access between its GPU and ours both ways
+    (torch enables it on the first copy between two devices)."""
+    args = pickle.loads(base64.b64decode(handle))
+    remote_device = torch.device(args[6])
+    if remote_device != local_device:
+        torch.zeros(1, device=remote_device).to(local_device)
+        torch.zeros(1, device=local_device).to(remote_device)
+    return rebuild_cuda_tensor(*args)
 
 
 def copy_blocks(
@@ -116,19 +117,23 @@ def copy_blocks(
     """Copy remote blocks into local blocks (all layers, keys and values) on `stream`, and wait
     for the copy to finish. Caches: [layers, 2, num_blocks, block_size, kv_heads, head_dim].
     use_kernel=False (or no Triton) gathers on the remote GPU and makes one peer copy instead."""
-    local_device = local_cache.device
+    local_device, remote_device = local_cache.device, remote_cache.device
     with torch.cuda.stream(stream):
         local_ids = torch.tensor(local_block_ids, device=local_device)
+        ready = torch.cuda.Event()
+        ready.record(stream)  # the local blocks are free to overwrite from here on
+    with torch.cuda.device(remote_device):
+        remote_stream = torch.cuda.current_stream(remote_device)
+        remote_stream.wait_event(ready)
+        remote_ids = torch.tensor(remote_block_ids, device=remote_device)
         if use_kernel and triton is not None:
-            remote_ids = torch.tensor(remote_block_ids, device=local_device)
-            copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids)
-        else:
-            planes = remote_cache.shape[0] * remote_cache.shape[1]
-            with torch.cuda.device(remote_cache.device):
-                remote_ids = torch.tensor(remote_block_ids, device=remote_cache.device)
-                flat = remote_cache.view(planes, remote_cache.shape[2], -1)
-                gathered = flat[:, remote_ids]  # [planes, n, block elements], on the remote GPU
-                torch.cuda.current_stream(remote_cache.device).synchronize()
-            moved = gathered.to(local_device, non_blocking=True)
-            local_cache.view(planes, local_cache.shape[2], -1)[:, local_ids] = moved
+            copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids.to(remote_device))
+            remote_stream.synchronize()
+            return
+        planes = remote_cache.shape[0] * remote_cache.shape[1]
+        gathered = remote_cache.view(planes, remote_cache.shape[2], -1)[:, remote_ids]
+        remote_stream.synchronize()
+    with torch.cuda.stream(stream):
+        moved = gathered.to(local_device, non_blocking=True)
+        local_cache.view(planes, local_cache.shape[2], -1)[:, local_ids] = moved
     stream.synchronize()

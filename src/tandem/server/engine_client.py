@@ -138,7 +138,10 @@ class AsyncEngineClient:
     ) -> AsyncIterator[SequenceDelta]:
         """Deltas of every output sequence of the request, as they come; aborts the request in
         the core if the consumer stops early."""
-        if self._num_unstarted >= self.config.max_waiting:
+        max_waiting = self.config.max_waiting
+        if params.n > max_waiting:  # each sample waits on its own: n counts against the queue
+            raise ValueError(f"n must be at most {max_waiting}, the size of this server's queue")
+        if self._num_unstarted + params.n > max_waiting:
             raise QueueFullError(f"{self._num_unstarted} requests are already waiting; retry later")
         requests = self.inputs.make_requests(
             request_id, prompt_token_ids, params, kv_transfer_params

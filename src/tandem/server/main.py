@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -89,6 +90,10 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     )
+    # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, which would end the
+    # process with the signal's status; a drained worker exits 0 instead.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
     server.run()
     if not started["ok"]:
         print("tandem worker: the engine could not start (see the log above)", file=sys.stderr)

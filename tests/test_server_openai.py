@@ -1,0 +1,580 @@
+"""The worker's OpenAI API end to end: one real `tandem worker` on the default model (CPU) serves
+the whole module and is driven by the official `openai` client (sync and async) and by raw HTTP.
+
+References are independent of the server: the offline engine (`tandem.LLM`, loaded in this
+process while the worker boots) for texts, token ids and logprobs under the same sampling
+settings, and the tokenizer for prompt token counts. Also here: 64 concurrent streams, the
+Prometheus metrics, client disconnects (blocks return to the pool) and every bad input a client
+can send (a 4xx with an OpenAI-style error object, and the server keeps serving).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tandem import DEFAULT_MODEL, LLM, SamplingParams
+from worker_fixtures import read_metrics, running_worker, wait_for_metric
+
+MODEL = DEFAULT_MODEL
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+YES_OR_NO = [{"role": "user", "content": "Reply with one word: yes or no?"}]  # greedy: "Yes."
+FRUITS = "Here is a list of fruits: apples, bananas,"
+BLOCKS_USED = "tandem_kv_cache_blocks_used"
+
+
+@pytest.fixture(scope="module")
+def reference_future():
+    """The offline engine, loading in a thread so that it overlaps the worker's start-up; it runs
+    with one intra-op thread, as the worker does (see worker_fixtures)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            yield executor.submit(LLM, MODEL)
+    finally:
+        torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory, reference_future):
+    # Depends on reference_future only to start the reference loading first.
+    with running_worker(tmp_path_factory.mktemp("worker")) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def llm(reference_future) -> LLM:
+    return reference_future.result()
+
+
+@pytest.fixture(scope="module")
+def client(worker) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+async def async_client(worker):
+    async with openai.AsyncOpenAI(
+        base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as client:
+        yield client
+
+
+def chat_prompt_ids(llm: LLM, messages: list[dict[str, Any]]) -> list[int]:
+    """The chat template rendered, then tokenized without special tokens added."""
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return llm.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list) and isinstance(prompt[0], dict)
+
+
+def offline_batch(llm: LLM, requests: list[tuple[Any, dict[str, Any]]]) -> list[list]:
+    """The offline engine's outputs (one per sample) for each (prompt or chat, SamplingParams
+    fields), run as one batch of prompts and one of chats."""
+    results: list[list] = [[] for _ in requests]
+    for chat in (False, True):
+        indices = [i for i, (prompt, _) in enumerate(requests) if is_chat(prompt) == chat]
+        if not indices:
+            continue
+        prompts = [requests[i][0] for i in indices]
+        params = [SamplingParams(**requests[i][1]) for i in indices]
+        outputs = llm.chat(prompts, params) if chat else llm.generate(prompts, params)
+        for index, output in zip(indices, outputs, strict=True):
+            results[index] = output.outputs
+    return results
+
+
+def offline(llm: LLM, prompt: Any, **params: Any) -> list:
+    return offline_batch(llm, [(prompt, params)])[0]
+
+
+def assert_serving(worker) -> None:
+    """The worker still answers a real request and holds no KV blocks afterwards."""
+    body = {"prompt": "One, two,", "max_tokens": 2, "temperature": 0}
+    response = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    assert wait_for_metric(worker.url, BLOCKS_USED, 0.0) == 0.0
+
+
+# -- endpoints and the openai client ------------------------------------------------------------
+
+
+def test_models_health_and_metric_families(worker, client):
+    assert [model.id for model in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{worker.url}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+    text = httpx.get(f"{worker.url}/metrics", timeout=10).text
+    for name, kind in [
+        ("tandem_kv_cache_blocks_used", "gauge"),
+        ("tandem_kv_cache_blocks_total", "gauge"),
+        ("tandem_requests_running", "gauge"),
+        ("tandem_requests_waiting", "gauge"),
+        ("tandem_prefix_cache_hit_rate", "gauge"),
+        ("tandem_time_to_first_token_seconds", "histogram"),
+        ("tandem_inter_token_latency_seconds", "histogram"),
+        ("tandem_e2e_request_latency_seconds", "histogram"),
+        ("tandem_prompt_tokens_total", "counter"),
+        ("tandem_generation_tokens_total", "counter"),
+    ]:
+        assert f"# TYPE {name} {kind}" in text, name
+    assert read_metrics(worker.url)["tandem_kv_cache_blocks_total"] > 0
+
+
+def test_chat_about_france_says_paris_with_exact_usage(client, llm):
+    response = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=32
+    )
+    (reference,) = offline(llm, FRANCE, temperature=0, max_tokens=32)
+    choice = response.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant"
+    assert choice.message.content == reference.text
+    assert choice.finish_reason == reference.finish_reason == "stop"
+    assert response.usage.prompt_tokens == len(chat_prompt_ids(llm, FRANCE))
+    assert response.usage.completion_tokens == len(reference.token_ids)  # EOS included
+    assert response.usage.total_tokens == response.usage.prompt_tokens + len(reference.token_ids)
+
+
+def test_streamed_completion_equals_non_streamed(client, llm):
+    request = dict(model=MODEL, prompt=FRUITS, temperature=0.8, seed=11, max_tokens=10)
+    whole = client.completions.create(**request, logprobs=0)
+    chunks = list(
+        client.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    )
+    *token_chunks, usage_chunk = chunks
+    streamed_text = "".join(c.choices[0].text for c in token_chunks)
+    choice = whole.choices[0]
+    assert streamed_text == choice.text
+    assert token_chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in token_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+    (reference,) = offline(llm, FRUITS, temperature=0.8, seed=11, max_tokens=10)
+    assert choice.text == reference.text
+    assert whole.usage.prompt_tokens == len(llm.tokenizer(FRUITS).input_ids)
+    assert whole.usage.completion_tokens == len(choice.logprobs.tokens) == len(reference.token_ids)
+
+
+async def test_async_client_streams_equal_non_streamed(async_client, llm):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    chat = dict(model=MODEL, messages=messages, temperature=0.8, seed=5, max_tokens=8)
+    chat["extra_body"] = {"ignore_eos": True}
+    completion = dict(model=MODEL, prompt=FRUITS, temperature=0, max_tokens=6)
+    usage_option = {"include_usage": True}
+
+    async def collect(stream) -> list:
+        return [chunk async for chunk in await stream]
+
+    whole_chat, chat_chunks, whole_completion, completion_chunks = await asyncio.gather(
+        async_client.chat.completions.create(**chat),
+        collect(
+            async_client.chat.completions.create(**chat, stream=True, stream_options=usage_option)
+        ),
+        async_client.completions.create(**completion),
+        collect(async_client.completions.create(**completion, stream=True)),
+    )
+
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    *token_chunks, usage_chunk = chat_chunks
+    content = "".join(c.choices[0].delta.content or "" for c in token_chunks)
+    assert content == whole_chat.choices[0].message.content
+    assert token_chunks[-1].choices[0].finish_reason == "length"
+    assert whole_chat.choices[0].finish_reason == "length"
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens may differ
+    assert [getattr(usage_chunk.usage, name) for name in counts] == [
+        getattr(whole_chat.usage, name) for name in counts
+    ]
+    assert whole_chat.usage.prompt_tokens == len(chat_prompt_ids(llm, messages))
+    assert whole_chat.usage.completion_tokens == 8
+
+    streamed = "".join(c.choices[0].text for c in completion_chunks)
+    assert streamed == whole_completion.choices[0].text
+    chat_reference, completion_reference = offline_batch(
+        llm,
+        [
+            (messages, {"temperature": 0.8, "seed": 5, "max_tokens": 8, "ignore_eos": True}),
+            (FRUITS, {"temperature": 0, "max_tokens": 6}),
+        ],
+    )
+    assert content == chat_reference[0].text
+    assert streamed == completion_reference[0].text
+
+
+# -- request fields against the offline engine --------------------------------------------------
+
+
+async def test_request_fields_match_the_offline_engine(async_client, llm):
+    (greedy,), (short_answer,) = offline_batch(
+        llm, [(FRUITS, {"temperature": 0, "max_tokens": 12}), (YES_OR_NO, {"temperature": 0})]
+    )
+    tokens = greedy.token_ids
+    stop_position = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    stop_id = tokens[stop_position]
+    assert short_answer.finish_reason == "stop" and len(short_answer.token_ids) < 6
+
+    # name -> (prompt or messages, request fields, SamplingParams of the same request)
+    cases = {
+        "greedy": (FRUITS, {"temperature": 0, "max_tokens": 12}, None),
+        "token ids": (llm.tokenizer(FRUITS).input_ids, {"temperature": 0, "max_tokens": 12}, None),
+        "top_k": (FRUITS, {"temperature": 1.0, "top_k": 3, "seed": 1, "max_tokens": 10}, None),
+        "top_p": (FRUITS, {"temperature": 1.0, "top_p": 0.6, "seed": 2, "max_tokens": 10}, None),
+        "min_p": (FRUITS, {"temperature": 1.5, "min_p": 0.3, "seed": 3, "max_tokens": 10}, None),
+        "default temperature": (FRUITS, {"seed": 4, "max_tokens": 8}, None),
+        "stop": (FRUITS, {"temperature": 0, "stop": [" lemons"], "max_tokens": 12}, None),
+        "stop_token_ids": (
+            FRUITS,
+            {"temperature": 0, "stop_token_ids": [stop_id], "max_tokens": 12},
+            None,
+        ),
+        "max_completion_tokens": (
+            FRUITS,
+            {"temperature": 0, "max_tokens": 50, "max_completion_tokens": 5},
+            {"temperature": 0, "max_tokens": 5},
+        ),
+        "n": (FRUITS, {"temperature": 0.9, "seed": 8, "n": 2, "max_tokens": 6}, None),
+        "min_tokens": (YES_OR_NO, {"temperature": 0, "min_tokens": 6, "max_tokens": 8}, None),
+        "ignore_eos": (YES_OR_NO, {"temperature": 0, "ignore_eos": True, "max_tokens": 7}, None),
+        "chat seed": (YES_OR_NO, {"temperature": 1.2, "seed": 9, "max_tokens": 6}, None),
+    }
+    openai_fields = {"temperature", "top_p", "seed", "stop", "max_tokens", "n"}
+
+    async def ask(prompt, fields: dict[str, Any]):
+        known = {k: v for k, v in fields.items() if k in openai_fields}
+        extra = {k: v for k, v in fields.items() if k not in openai_fields}
+        extra["return_token_ids"] = True
+        if isinstance(prompt[0], dict):
+            return await async_client.chat.completions.create(
+                model=MODEL, messages=prompt, extra_body=extra, **known
+            )
+        return await async_client.completions.create(
+            model=MODEL, prompt=prompt, extra_body=extra, **known
+        )
+
+    responses = dict(
+        zip(
+            cases,
+            await asyncio.gather(*(ask(prompt, fields) for prompt, fields, _ in cases.values())),
+            strict=True,
+        )
+    )
+    all_references = offline_batch(
+        llm, [(prompt, params or fields) for prompt, fields, params in cases.values()]
+    )
+    for name, references in zip(cases, all_references, strict=True):
+        response = responses[name]
+        assert len(response.choices) == len(references), name
+        for choice, reference in zip(response.choices, references, strict=True):
+            text = choice.message.content if hasattr(choice, "message") else choice.text
+            assert (text, choice.finish_reason) == (reference.text, reference.finish_reason), name
+            assert choice.model_extra["token_ids"] == reference.token_ids, name
+            assert choice.model_extra["stop_reason"] == reference.stop_reason, name
+        num_tokens = sum(len(reference.token_ids) for reference in references)
+        assert response.usage.completion_tokens == num_tokens, name
+
+    def only_choice(name: str):
+        (choice,) = responses[name].choices
+        return choice.finish_reason, choice.model_extra["stop_reason"], choice.model_extra
+
+    assert only_choice("stop")[:2] == ("stop", " lemons")
+    assert only_choice("stop_token_ids")[:2] == ("stop", stop_id)
+    assert only_choice("stop_token_ids")[2]["token_ids"] == tokens[: stop_position + 1]
+    assert only_choice("token ids")[2]["token_ids"] == greedy.token_ids
+    assert len(only_choice("max_completion_tokens")[2]["token_ids"]) == 5
+    assert len(only_choice("min_tokens")[2]["token_ids"]) >= 6
+    assert only_choice("ignore_eos")[:2] == ("length", None)
+    assert len({choice.text for choice in responses["n"].choices}) == 2
+
+
+def test_logprobs_and_echo(client, llm):
+    (reference,) = offline(llm, FRUITS, temperature=0, max_tokens=6, logprobs=3)
+    response = client.completions.create(
+        model=MODEL, prompt=FRUITS, temperature=0, max_tokens=6, logprobs=3, echo=True
+    )
+    choice = response.choices[0]
+    assert choice.text == FRUITS + reference.text
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == response.usage.completion_tokens == 6
+    for value, tops, expected in zip(
+        logprobs.token_logprobs, logprobs.top_logprobs, reference.logprobs, strict=True
+    ):
+        assert value == pytest.approx(expected.logprob, abs=1e-4)
+        assert 1 <= len(tops) <= 3
+        assert max(tops.values()) == pytest.approx(value, abs=1e-6)  # greedy: the best token
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=5, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.top_logprobs[0].logprob == pytest.approx(entry.logprob) for entry in content)
+
+
+# -- concurrency ---------------------------------------------------------------------------------
+
+
+async def test_64_concurrent_streams_match_the_offline_engine(worker, async_client, llm):
+    subjects = ["a lighthouse", "the moon", "a small robot", "an old library", "the river"]
+    styles = ["A short poem about", "Three facts about", "A story that begins with", "Why I like"]
+    prompts = [f"{styles[i % 4]} {subjects[i % 5]} (part {i}):" for i in range(64)]
+    params = [
+        {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 1000 + i}
+        for i in range(64)
+    ]
+
+    async def stream(prompt: str, fields: dict[str, Any]) -> tuple[str, list[int], Any, Any]:
+        chunks = await async_client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+            **fields,
+        )
+        text, token_ids, finish_reason, usage = "", [], None, None
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                text += choice.text
+                token_ids += choice.model_extra.get("token_ids", [])
+                finish_reason = choice.finish_reason or finish_reason
+            usage = chunk.usage or usage
+        return text, token_ids, finish_reason, usage
+
+    results = await asyncio.gather(*(stream(p, f) for p, f in zip(prompts, params, strict=True)))
+    references = llm.generate(prompts, [SamplingParams(max_tokens=16, **f) for f in params])
+    for prompt, (text, token_ids, finish_reason, usage), reference in zip(
+        prompts, results, references, strict=True
+    ):
+        expected = reference.outputs[0]
+        assert (text, token_ids, finish_reason) == (
+            expected.text,
+            expected.token_ids,
+            expected.finish_reason,
+        ), prompt
+        assert usage.completion_tokens == len(expected.token_ids)
+        assert usage.prompt_tokens == len(reference.prompt_token_ids)
+    assert wait_for_metric(worker.url, BLOCKS_USED, 0.0) == 0.0
+    assert read_metrics(worker.url)["tandem_requests_running"] == 0
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+
+def test_metrics_count_one_streamed_request_exactly(worker, client):
+    before = read_metrics(worker.url)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=FRUITS,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    usage = chunks[-1].usage
+    after = read_metrics(worker.url)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("tandem_prompt_tokens_total") == usage.prompt_tokens
+    assert delta("tandem_generation_tokens_total") == usage.completion_tokens == 6
+    assert delta("tandem_time_to_first_token_seconds_count") == 1
+    assert delta("tandem_inter_token_latency_seconds_count") == 5
+    assert delta("tandem_e2e_request_latency_seconds_count") == 1
+    labels = f'model_name="{MODEL}"'
+    assert delta(f'tandem_requests_total{{finish_reason="length",{labels}}}') == 1
+    assert delta(f'tandem_requests_total{{finish_reason="abort",{labels}}}') == 0
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(worker, client):
+    prompt = list(range(5000, 5048))  # 48 token ids that no other test sends
+    block_size = 16
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # The engine's stats ride on the same message as a request's last tokens.
+    rate_before = read_metrics(worker.url)["tandem_prefix_cache_hit_rate"]
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    # Full blocks only, and the last prompt token is always computed: 2 blocks of 3 hit.
+    assert second.usage.prompt_tokens_details.cached_tokens == 2 * block_size
+    rate_after = read_metrics(worker.url)["tandem_prefix_cache_hit_rate"]
+    assert rate_before < rate_after <= 1
+
+
+# -- client disconnects ----------------------------------------------------------------------------
+
+LONG_REQUEST = {"prompt": FRUITS, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.mark.parametrize(
+    "endpoint, body",
+    [
+        ("/v1/completions", LONG_REQUEST),
+        ("/v1/completions", dict(LONG_REQUEST, prompt=[FRUITS, "One, two,"], n=2)),
+        ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 4000, "ignore_eos": True}),
+    ],
+    ids=["completion", "two-prompts-n2", "chat"],
+)
+def test_disconnect_mid_stream_frees_every_block(worker, endpoint, body):
+    labels = f'finish_reason="abort",model_name="{MODEL}"'
+    aborted_before = read_metrics(worker.url).get(f"tandem_requests_total{{{labels}}}", 0.0)
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", worker.url + endpoint, json=dict(body, stream=True)) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            num_chunks = 0
+            while num_chunks < 4:
+                num_chunks += next(lines).startswith("data: {")
+            assert read_metrics(worker.url)[BLOCKS_USED] > 0
+    assert wait_for_metric(worker.url, BLOCKS_USED, 0.0) == 0.0
+    metrics = read_metrics(worker.url)
+    assert metrics["tandem_requests_running"] == metrics["tandem_requests_waiting"] == 0
+    aborted = metrics[f"tandem_requests_total{{{labels}}}"] - aborted_before
+    assert aborted == (4 if body.get("n") else 1)
+    assert_serving(worker)
+
+
+def test_client_timeout_on_a_non_streamed_request_frees_every_block(worker):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{worker.url}/v1/completions", json=LONG_REQUEST, timeout=2.0)
+    assert wait_for_metric(worker.url, BLOCKS_USED, 0.0) == 0.0
+    assert read_metrics(worker.url)["tandem_requests_running"] == 0
+    assert_serving(worker)
+
+
+def test_a_refused_prompt_in_a_batch_leaves_no_request_behind(worker):
+    body = dict(LONG_REQUEST, prompt=[FRUITS, "hello " * 9000])  # the second is too long
+    response = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
+    assert wait_for_metric(worker.url, "tandem_requests_running", 0.0) == 0.0
+    assert wait_for_metric(worker.url, BLOCKS_USED, 0.0) == 0.0
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+BAD_REQUESTS = [
+    # (id, endpoint, JSON body or raw bytes, status, expected `param` or None)
+    ("malformed-json", COMPLETIONS, b'{"prompt": "hi", "max_tokens": ', 400, None),
+    ("malformed-json-chat", CHAT, b'{"messages": [', 400, None),
+    ("empty-body", COMPLETIONS, b"", 400, None),
+    ("body-not-an-object", COMPLETIONS, [1, 2], 400, None),
+    ("missing-prompt", COMPLETIONS, {"max_tokens": 2}, 400, "prompt"),
+    ("max-tokens-string", COMPLETIONS, {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("max-tokens-fraction", COMPLETIONS, {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("temperature-string", COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, 400, None),
+    ("stream-not-bool", COMPLETIONS, {"prompt": "hi", "stream": "maybe"}, 400, "stream"),
+    ("prompt-number", COMPLETIONS, {"prompt": 5}, 400, None),
+    ("prompt-mixed-list", COMPLETIONS, {"prompt": [1, "a"]}, 400, None),
+    ("stop-number", COMPLETIONS, {"prompt": "hi", "stop": 5}, 400, None),
+    ("messages-string", CHAT, {"messages": "hello"}, 400, "messages"),
+    ("unknown-role", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
+    ("content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("negative-max-tokens", COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, None),
+    ("zero-max-tokens", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, None),
+    ("negative-max-tokens-chat", CHAT, {"messages": HI, "max_tokens": -3}, 400, None),
+    (
+        "negative-max-completion-tokens",
+        CHAT,
+        {"messages": HI, "max_completion_tokens": -1},
+        400,
+        None,
+    ),
+    ("negative-temperature", COMPLETIONS, {"prompt": "hi", "temperature": -0.1}, 400, None),
+    ("negative-temperature-chat", CHAT, {"messages": HI, "temperature": -1}, 400, None),
+    ("top-p-zero", COMPLETIONS, {"prompt": "hi", "top_p": 0}, 400, None),
+    ("top-p-above-one", COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, 400, None),
+    ("top-p-negative-chat", CHAT, {"messages": HI, "top_p": -0.5}, 400, None),
+    ("top-k-negative", COMPLETIONS, {"prompt": "hi", "top_k": -2}, 400, None),
+    ("min-p-above-one", COMPLETIONS, {"prompt": "hi", "min_p": 1.5}, 400, None),
+    ("n-zero", COMPLETIONS, {"prompt": "hi", "n": 0}, 400, None),
+    ("min-tokens-negative", COMPLETIONS, {"prompt": "hi", "min_tokens": -1}, 400, None),
+    (
+        "min-over-max-tokens",
+        COMPLETIONS,
+        {"prompt": "hi", "min_tokens": 5, "max_tokens": 2},
+        400,
+        None,
+    ),
+    ("logprobs-too-many", COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("top-logprobs-too-many", CHAT, {"messages": HI, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("empty-stop-string", COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, None),
+    ("max-tokens-over-context", COMPLETIONS, {"prompt": "hi", "max_tokens": 8192}, 400, None),
+    ("max-tokens-huge", COMPLETIONS, {"prompt": "hi", "max_tokens": 10**30}, 400, None),
+    ("max-tokens-over-context-chat", CHAT, {"messages": HI, "max_tokens": 9000}, 400, None),
+    ("prompt-fills-context", COMPLETIONS, {"prompt": [1] * 8192}, 400, None),
+    ("empty-prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    ("empty-prompt-list", COMPLETIONS, {"prompt": []}, 400, "prompt"),
+    ("empty-token-list-in-batch", COMPLETIONS, {"prompt": [[]]}, 400, "prompt"),
+    ("empty-string-in-batch", COMPLETIONS, {"prompt": ["hi", ""]}, 400, "prompt"),
+    ("empty-messages", CHAT, {"messages": []}, 400, "messages"),
+    ("token-id-outside-vocab", COMPLETIONS, {"prompt": [1, 49152]}, 400, "prompt"),
+    ("negative-token-id", COMPLETIONS, {"prompt": [-1]}, 400, "prompt"),
+    ("n-over-the-queue", COMPLETIONS, {"prompt": "hi", "n": 5000, "max_tokens": 1}, 400, None),
+    (
+        "template-kwargs-clash",
+        CHAT,
+        {"messages": HI, "chat_template_kwargs": {"tokenize": 1}},
+        400,
+        None,
+    ),
+    (
+        "pd-without-transport",
+        COMPLETIONS,
+        {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}},
+        400,
+        "kv_transfer_params",
+    ),
+    ("unknown-model", COMPLETIONS, {"prompt": "hi", "model": "gpt-5"}, 404, "model"),
+    ("unknown-model-chat", CHAT, {"messages": HI, "model": "gpt-5"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(
+    "endpoint, body, status, param",
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+def test_bad_input_gets_a_4xx_error_object(worker, endpoint, body, status, param):
+    if isinstance(body, bytes):
+        headers = {"content-type": "application/json"}
+        response = httpx.post(worker.url + endpoint, content=body, headers=headers, timeout=30)
+    else:
+        response = httpx.post(worker.url + endpoint, json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and len(error["message"]) > 10
+    assert error["code"] == status
+    assert error["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_openai_client_raises_on_4xx_and_the_server_keeps_serving(worker, client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    assert "max_tokens" in bad.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=HI)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=HI, temperature=-1, stream=True)
+    assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
+    assert_serving(worker)

@@ -1,0 +1,149 @@
+"""Real `tandem worker` subprocesses for tests, and readers of their Prometheus metrics.
+
+`start_worker` launches a worker on a free loopback port in a session of its own and returns at
+once, so a test module can do other slow set-up (loading a reference engine) while the worker
+boots; `WorkerProcess.wait_healthy` then waits for `/health` == 200. `running_worker` wraps both
+and always stops the worker's whole process group (engine core included) on the way out, with
+SIGTERM first and SIGKILL if it lingers.
+
+Workers run with one intra-op thread (OMP_NUM_THREADS=1 unless the caller's environment sets it):
+on a small machine shared by several processes, torch's default of one thread per core makes a
+CPU decode step several times slower through thread contention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tandem import DEFAULT_MODEL
+
+STARTUP_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class WorkerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"the worker exited with code {code}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker was not healthy in {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def send_signal(self, signum: int) -> None:
+        """Send signum to the worker's main process only (as a process manager would)."""
+        self.process.send_signal(signum)
+
+    def stop(self) -> None:
+        """Stop the whole process group; idempotent."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        # The engine core may outlive a main process that was killed: clear the group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+def start_worker(log_dir: Path, *flags: str, model: str = DEFAULT_MODEL) -> WorkerProcess:
+    """Launch `tandem worker --model model *flags` on a free port; does not wait for health."""
+    port = free_port()
+    log_path = Path(log_dir) / f"worker-{port}.log"
+    command = [sys.executable, "-m", "tandem.cli", "worker", "--model", model]
+    command += ["--host", "127.0.0.1", "--port", str(port), *flags]
+    source_dir = str(Path(__file__).resolve().parent.parent / "src")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [source_dir, env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    return WorkerProcess(process, port, log_path)
+
+
+@contextlib.contextmanager
+def running_worker(
+    log_dir: Path, *flags: str, model: str = DEFAULT_MODEL
+) -> Iterator[WorkerProcess]:
+    """A healthy worker for the duration of the block, always stopped afterwards."""
+    worker = start_worker(log_dir, *flags, model=model)
+    try:
+        worker.wait_healthy()
+        yield worker
+    finally:
+        worker.stop()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value} and {"name": value} for unlabelled samples;
+    a family's samples with labels are also summed under the bare name."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        values[key] = float(value)
+        name = key.split("{", 1)[0]
+        if name != key:
+            values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    response = httpx.get(f"{url}/metrics", timeout=10.0)
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+def wait_for_metric(url: str, name: str, expected: float, timeout: float = 10.0) -> float:
+    """Poll /metrics until metric `name` equals expected; returns the last value seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read_metrics(url).get(name)
+        if value == expected or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
