@@ -151,12 +151,6 @@ def test_transfer_metrics_on_both_sides(client, trio):
     assert_nothing_held(prefill, decode)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server bug: a stop string matched by the first token finishes the prefill answer "
-    "with finish_reason stop, but the answer still carries kv_transfer_params and the blocks "
-    "stay leased until the lease expires",
-)
 def test_stop_string_on_the_first_token_ends_at_prefill(client, trio):
     """A stop string the first token completes finishes the request on the prefill worker: a
     finished answer, no kv_transfer_params, and no lease left behind."""

@@ -240,12 +240,6 @@ def test_decode_abort_while_loading_frees_both_sides(client, workers):
     assert metric(decode, "tandem_requests_waiting") == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server bug: the HTTP handler awaits the request's first token before it watches for "
-    "a disconnect, so a prefill leg given up before its first token is computed anyway and then "
-    "holds its blocks under a lease until the lease expires",
-)
 def test_prefill_abort_while_queued_frees_everything(client, workers):
     """A prefill leg given up while it waits for KV blocks never runs and leaves nothing."""
     prefill = workers["prefill-drop"]  # PREFILL_DROP_BLOCKS blocks

@@ -146,13 +146,6 @@ def test_stop_token_as_first_token_ends_at_prefill(client, trio, stream: bool):
     assert pd.finish_reason == "stop" and pd.token_ids == [first]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server bugs: a decode leg that the prefill's first token already completes "
-    "(max_tokens 1) fails with a 500 (AsyncEngineClient.generate queues that finished first "
-    "delta but never yields it, so app.start gets StopAsyncIteration); and as it loads nothing, "
-    "the prefill lease is never confirmed and holds its blocks until it expires",
-)
 def test_one_token_request_through_both_legs_frees_the_prefill(client, trio):
     body = with_defaults(completion_body(PROMPTS[5], "greedy", max_tokens=1))
     params = prefill_leg(client, trio["prefill"].url, "/v1/completions", body)["kv_transfer_params"]

@@ -509,3 +509,17 @@ def test_fetch_between_network_namespaces(tmp_path: Path):
     finally:
         for namespace in (server_ns, client_ns):
             run_ip("netns", "del", namespace)
+
+
+def test_release_ends_a_transfer_without_its_bytes(make_server, client):
+    server, done = make_server()
+    server.publish("t", make_layers(3))
+    client.release("127.0.0.1", server.port, "t", timeout=5)
+    assert done.wait_for(1) == [("t", True)]
+    for call in (
+        lambda: client.fetch("127.0.0.1", server.port, "t", make_layers(3), timeout=5),
+        lambda: client.release("127.0.0.1", server.port, "unknown", timeout=5),
+    ):
+        with pytest.raises(KVTransferError) as error:  # forgotten, as after a fetch
+            call()
+        assert error.value.kind == "not_found"

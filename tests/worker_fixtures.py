@@ -83,9 +83,12 @@ class WorkerProcess:
         self.process.wait()
 
 
-def start_worker(log_dir: Path, *flags: str, model: str = DEFAULT_MODEL) -> WorkerProcess:
-    """Launch `tandem worker --model model *flags` on a free port; does not wait for health."""
-    port = free_port()
+def start_worker(
+    log_dir: Path, *flags: str, model: str = DEFAULT_MODEL, port: int | None = None
+) -> WorkerProcess:
+    """Launch `tandem worker --model model *flags` on `port` (default: a free one); does not
+    wait for health."""
+    port = port or free_port()
     log_path = Path(log_dir) / f"worker-{port}.log"
     command = [sys.executable, "-m", "tandem.cli", "worker", "--model", model]
     command += ["--host", "127.0.0.1", "--port", str(port), *flags]

@@ -101,7 +101,15 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        return self.scheduler.abort_requests(request_ids)
+        """Abort live requests; for one that already finished, end the KV lease it may still
+        hold for a remote decoder."""
+        request_ids = list(request_ids)
+        outputs = self.scheduler.abort_requests(request_ids)
+        aborted = {output.request_id for output in outputs}
+        for request_id in request_ids:
+            if request_id not in aborted:
+                self.connector.release(request_id)
+        return outputs
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -6,7 +6,7 @@
 
 Messages are pickled tuples over two ZeroMQ PUSH/PULL sockets on ipc:// addresses:
     in:  ("add", [Request]) | ("abort", [request_id]) | ("release_kv", remote_request_id)
-         | ("shutdown",)
+         | ("release_remote", kv_transfer_params) | ("shutdown",)
     out: ("ready", info) | ("error", message) | ("outputs", [EngineCoreOutput], stats)
 The loop blocks on its input only while it has nothing to do.
 """
@@ -134,6 +134,8 @@ def run_engine_core(
                     step_outputs.extend(core.abort_requests(message[1]))
                 elif kind == "release_kv":
                     core.connector.release(message[1])
+                elif kind == "release_remote":
+                    core.connector.release_remote(message[1])
                 timeout = 0
             if core.has_work():
                 step_outputs.extend(core.step())

@@ -160,6 +160,7 @@ class OutputProcessor:
             if state is None:
                 continue
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
+            kv_transfer_params = output.kv_transfer_params
             for position, token_id in enumerate(output.new_token_ids):
                 state.token_ids.append(token_id)
                 is_last = position == len(output.new_token_ids) - 1
@@ -167,9 +168,11 @@ class OutputProcessor:
                     continue  # EOS or a stop token id: its text is not part of the output
                 stop_string = state.text.add_token(token_id)
                 if stop_string is not None:
+                    # The core may have finished the request for another reason in this step
+                    # (a one-token prefill leg); aborting it then frees what it still holds.
                     finish_reason, stop_reason = "stop", stop_string
-                    if not output.finished:
-                        stopped.append(output.request_id)
+                    kv_transfer_params = None  # nothing left for a decode worker to do
+                    stopped.append(output.request_id)
                     break
             finished = finish_reason is not None
             deltas.append(
@@ -183,7 +186,7 @@ class OutputProcessor:
                     stop_reason,
                     output.num_prompt_tokens,
                     output.num_cached_tokens,
-                    output.kv_transfer_params,
+                    kv_transfer_params,
                     output.error,
                 )
             )

@@ -68,6 +68,11 @@ class KVConnector:
         """Free a leased request's blocks now (the router gave the request up)."""
         return None
 
+    def release_remote(self, kv_transfer_params: dict[str, Any]) -> None:
+        """Tell a prefill worker its lease is done without loading it (the request finished
+        on its first token here)."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Counters for /metrics. "kv_transfer_seconds" (a list) and "kv_transfer_failures"
         (kind -> count) hold only what happened since the previous call."""

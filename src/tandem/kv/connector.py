@@ -329,6 +329,9 @@ class PDConnector(KVConnector):
     def _receive_tcp(self, spec: LoadSpec) -> int:
         """Every layer of the prompt's blocks over TCP into host staging, each scattered into
         the local blocks as it arrives (host -> device on a side stream)."""
+        if not spec.local_block_ids:  # the local prefix cache holds the whole prompt
+            self._release_remote(spec.remote)
+            return 0
         num_remote_blocks = len(spec.remote["remote_block_ids"])
         shape = (2, num_remote_blocks, *self.kv_cache.shape[3:])
         pin = self.device.type == "cuda"
@@ -428,6 +431,21 @@ class PDConnector(KVConnector):
                 self.finished_sending.add(request_id)
         if lease is not None:
             self.server.withdraw(request_id)
+
+    def release_remote(self, kv_transfer_params: dict[str, Any]) -> None:
+        if self.client is not None:
+            self.executor.submit(self._release_remote, kv_transfer_params)
+
+    def _release_remote(self, remote: dict[str, Any]) -> None:
+        try:
+            self.client.release(
+                remote["remote_host"],
+                int(remote["remote_port"]),
+                remote["remote_request_id"],
+                timeout=self.config.transfer_timeout_s,
+            )
+        except KVTransferError as exc:  # the lease expires on its own
+            logger.warning("releasing %s failed: %s", remote.get("remote_request_id"), exc)
 
     def release(self, remote_request_id: str) -> None:
         if remote_request_id in self.leases and remote_request_id not in self.remote_decode:

@@ -11,7 +11,8 @@ Wire format. One connection carries any number of fetches, one after another; ev
 
     header = magic b"TKV1" | type u8 | 3 pad bytes | layer u32 | length u64     (big-endian)
 
-    client -> server  FETCH    msgpack {"transfer_id": str, "layer_nbytes": [int, ...]}
+    client -> server  FETCH    msgpack {"transfer_id": str, "layer_nbytes": [int, ...],
+                                        "release_only": bool}; release_only skips to DONE
     server -> client  LAYER    layer = i, payload = layer i's raw bytes (each layer once, in order)
     client -> server  CONFIRM  empty: every layer arrived
     server -> client  DONE     empty: the confirmation is recorded (the transfer is forgotten)
@@ -68,6 +69,7 @@ _ERROR = 5
 class _FetchRequest(msgspec.Struct):
     transfer_id: str
     layer_nbytes: list[int]
+    release_only: bool = False  # no layers: the decode is done with the transfer without them
 
 
 class _ErrorReply(msgspec.Struct):
@@ -321,6 +323,9 @@ class TcpKVServer(TransportServer):
         if transfer is None:
             self._send_error(connection, "not_found", f"no published transfer {transfer_id!r}")
             return
+        if request.release_only:
+            self._finish(connection, transfer_id, transfer)
+            return
         published_nbytes = [len(layer) for layer in transfer.layers]
         if request.layer_nbytes != published_nbytes:
             self._report_done(transfer_id, transfer, False)
@@ -446,12 +451,30 @@ class TcpKVClient(TransportClient):
         runs right after it sent that answer. Raises KVTransferError on timeout (overall deadline),
         connection loss, unknown id, withdrawal or a size mismatch; an exception from on_layer
         propagates as is."""
-        deadline = time.monotonic() + timeout
         views = [_byte_view(layer) for layer in dest_layers]
+        self._request(host, port, transfer_id, views, timeout, on_layer, release_only=False)
+
+    def release(self, host: str, port: int, transfer_id: str, *, timeout: float) -> None:
+        """Tell the server the transfer is done without fetching it (the decode side needs none
+        of its bytes); the server then calls on_transfer_done(id, True). Raises KVTransferError
+        as fetch does."""
+        self._request(host, port, transfer_id, [], timeout, None, release_only=True)
+
+    def _request(
+        self,
+        host: str,
+        port: int,
+        transfer_id: str,
+        views: list[memoryview],
+        timeout: float,
+        on_layer: Callable[[int], None] | None,
+        release_only: bool,
+    ) -> None:
+        deadline = time.monotonic() + timeout
         peer = (host, port)
         connection = self._checkout(peer, deadline)
         try:
-            error = self._exchange(connection, transfer_id, views, deadline, on_layer)
+            error = self._exchange(connection, transfer_id, views, deadline, on_layer, release_only)
         except BaseException as exc:
             connection.close()
             if isinstance(exc, TimeoutError):
@@ -483,12 +506,17 @@ class TcpKVClient(TransportClient):
         views: list[memoryview],
         deadline: float,
         on_layer: Callable[[int], None] | None,
+        release_only: bool = False,
     ) -> _ErrorReply | None:
         """Run one fetch on the connection: None on DONE, the server's ERROR reply otherwise."""
-        request = _encoder.encode(_FetchRequest(transfer_id, [len(view) for view in views]))
+        request = _encoder.encode(
+            _FetchRequest(transfer_id, [len(view) for view in views], release_only)
+        )
         connection.settimeout(max(deadline - time.monotonic(), 1e-3))
         _send_message(connection, _FETCH, request)
         header = bytearray(_HEADER.size)
+        if release_only:
+            return self._await_done(connection, header, deadline)
         for index, view in enumerate(views):
             message_type, layer, length = self._recv_reply(connection, header, deadline)
             if message_type == _ERROR:
@@ -503,6 +531,11 @@ class TcpKVClient(TransportClient):
                 on_layer(index)
         connection.settimeout(max(deadline - time.monotonic(), 1e-3))
         _send_message(connection, _CONFIRM)
+        return self._await_done(connection, header, deadline)
+
+    def _await_done(
+        self, connection: socket.socket, header: bytearray, deadline: float
+    ) -> _ErrorReply | None:
         message_type, _, length = self._recv_reply(connection, header, deadline)
         if message_type == _ERROR:
             return self._decode_error(connection, length, deadline)

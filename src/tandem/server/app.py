@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -137,7 +138,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
 
     async def start(
         request_id: str, prompt_ids: list[int], body: SamplingFields, logprobs: int | None
-    ) -> AsyncIterator[SequenceDelta]:
+    ) -> PrimedStream:
         """Validate, submit and return the request's delta stream, primed: admission errors
         surface here as ClientErrors, before any response byte is written."""
         try:
@@ -149,7 +150,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         except ValueError as exc:
             raise ClientError(str(exc)) from exc
         metrics.prompt_tokens.labels(settings.served_model_name).inc(len(prompt_ids))
-        return _prepend(first, stream)
+        return PrimedStream(first, stream)
 
     def tokenize(prompt: str | list[int]) -> list[int]:
         try:
@@ -165,12 +166,12 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         if body.kv_transfer_params and len(prompts) != 1:
             raise ClientError("a PD request must hold exactly one prompt", param="prompt")
         base_id = client.new_request_id()
-        streams = [
-            await start(f"{base_id}-p{i}", ids, body, body.logprobs)
+        starts = [
+            functools.partial(start, f"{base_id}-p{i}", ids, body, body.logprobs)
             for i, ids in enumerate(prompt_ids)
         ]
         writer = CompletionWriter(client, settings, body, f"cmpl-{base_id}", prompts, prompt_ids)
-        return await respond(raw, body, streams, writer)
+        return await respond(raw, body, starts, writer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -183,18 +184,27 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         except Exception as exc:  # a template error is the request's fault
             raise ClientError(f"the chat template failed on these messages: {exc}") from exc
         base_id = client.new_request_id()
-        streams = [await start(base_id, prompt_ids, body, body.num_logprobs())]
+        starts = [functools.partial(start, base_id, prompt_ids, body, body.num_logprobs())]
         writer = ChatWriter(client, settings, body, f"chatcmpl-{base_id}", [prompt_ids])
-        return await respond(raw, body, streams, writer)
+        return await respond(raw, body, starts, writer)
 
-    async def respond(raw: Request, body: SamplingFields, streams, writer) -> Response:
+    async def respond(raw: Request, body: SamplingFields, starts, writer) -> Response:
+        """Streamed: start every prompt before the response head, so admission errors are 4xx.
+        Collected: the client's disconnect cancels everything, the starts included (a prefill
+        leg's whole work happens before its first token)."""
         arrival = time.monotonic()
         if body.stream:
+            streams = await start_all(starts)
             return StreamingResponse(
                 sse(writer.stream(merge(streams), metrics, arrival)),
                 media_type="text/event-stream",
             )
-        result = await until_disconnected(raw, writer.collect(merge(streams), metrics, arrival))
+
+        async def work() -> dict[str, Any]:
+            streams = await start_all(starts)
+            return await writer.collect(merge(streams), metrics, arrival)
+
+        result = await until_disconnected(raw, work())
         if result is None:
             return Response(status_code=499)
         return JSONResponse(result)
@@ -202,10 +212,33 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     return app
 
 
-async def _prepend(first: SequenceDelta, rest: AsyncIterator[SequenceDelta]):
-    yield first
-    async for delta in rest:
-        yield delta
+async def start_all(starts) -> list[PrimedStream]:
+    """Start the prompts of a request together; if one is refused, close the others (which
+    aborts them) and raise its error."""
+    results = await asyncio.gather(*(begin() for begin in starts), return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        for stream in results:
+            if not isinstance(stream, BaseException):
+                await stream.aclose()
+        raise failures[0]
+    return results
+
+
+class PrimedStream:
+    """A request's delta stream whose first delta was already awaited (admission is over)."""
+
+    def __init__(self, first: SequenceDelta, rest: AsyncIterator[SequenceDelta]) -> None:
+        self.first = first
+        self.rest = rest
+
+    async def __aiter__(self) -> AsyncIterator[SequenceDelta]:
+        yield self.first
+        async for delta in self.rest:
+            yield delta
+
+    async def aclose(self) -> None:
+        await self.rest.aclose()  # aborts the request in the engine
 
 
 async def merge(streams: list[AsyncIterator[SequenceDelta]]) -> AsyncIterator[tuple[int, Any]]:

@@ -143,36 +143,37 @@ class AsyncEngineClient:
             raise ValueError(f"n must be at most {max_waiting}, the size of this server's queue")
         if self._num_unstarted + params.n > max_waiting:
             raise QueueFullError(f"{self._num_unstarted} requests are already waiting; retry later")
+        remote_prefill = bool((kv_transfer_params or {}).get("do_remote_prefill"))
+        first_token_id = (kv_transfer_params or {}).get("first_token_id")
+        if remote_prefill and first_token_id is None:
+            raise ValueError("kv_transfer_params from a remote prefill must carry first_token_id")
         requests = self.inputs.make_requests(
             request_id, prompt_token_ids, params, kv_transfer_params
         )
         queue: asyncio.Queue = asyncio.Queue()
         child_ids = [r.request_id for r in requests]
         self._children[request_id] = child_ids
-        first_token_id = (kv_transfer_params or {}).get("first_token_id")
         to_submit: list[Request] = []
         pending = set(child_ids)
         for index, request in enumerate(requests):
             self._queues[request.request_id] = queue
             self.outputs.add(request_id, request, index)
-            if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"):
-                if first_token_id is None:
-                    raise ValueError(
-                        "kv_transfer_params from a remote prefill must carry first_token_id"
-                    )
+            if remote_prefill:
                 request.output_token_ids.append(first_token_id)
                 delta = self._continue_remote(request, first_token_id)
                 queue.put_nowait(delta)
-                if delta.finish_reason is not None:
+                if delta.finish_reason is not None:  # done on its first token: load nothing
                     pending.discard(request.request_id)
                     continue
             to_submit.append(request)
         self._num_unstarted += len(to_submit)
         unstarted = {r.request_id for r in to_submit}
         try:
+            if remote_prefill and not to_submit:
+                await self._input.send_pyobj(("release_remote", kv_transfer_params))
             if to_submit:
                 await self._input.send_pyobj(("add", to_submit))
-            while pending:
+            while pending or not queue.empty():
                 delta = await queue.get()
                 child_id = f"{request_id}-{delta.index}"
                 if child_id in unstarted:
