@@ -39,12 +39,6 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
-    num_kv_blocks: int
-    block_size: int
-    kv_bytes_per_token: int
-    device: str
-    dtype: str
-    kv_layout: str
 
 
 def collect_stats(core) -> dict[str, Any]:
@@ -91,24 +85,13 @@ def run_engine_core(
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         context.destroy(linger=1000)
         return
-    spec = core.kv_spec
-    outputs.send_pyobj(
-        (
-            "ready",
-            EngineInfo(
-                model=config.model,
-                max_model_len=core.max_model_len,
-                vocab_size=core.model_config.vocab_size,
-                eos_token_ids=core.eos_token_ids,
-                num_kv_blocks=spec.num_blocks,
-                block_size=spec.block_size,
-                kv_bytes_per_token=spec.bytes_per_token,
-                device=core.config.device,
-                dtype=core.config.dtype,
-                kv_layout=f"{spec.num_layers}x2x{spec.num_kv_heads}x{spec.head_dim}:{core.config.dtype}",
-            ),
-        )
+    info = EngineInfo(
+        model=config.model,
+        max_model_len=core.max_model_len,
+        vocab_size=core.model_config.vocab_size,
+        eos_token_ids=core.eos_token_ids,
     )
+    outputs.send_pyobj(("ready", info))
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     last_stats = 0.0

@@ -65,7 +65,3 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-
-    @property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
