@@ -50,7 +50,11 @@ def fake_tandem(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fake_tandem")
     package = root / "tandem"
     (package / "server").mkdir(parents=True)
-    (package / "__init__.py").write_text(f"__path__.append({str(SRC / 'tandem')!r})\n")
+    real_init = SRC / "tandem" / "__init__.py"
+    (package / "__init__.py").write_text(  # the real package's names, and its modules
+        f"exec(compile(open({str(real_init)!r}).read(), {str(real_init)!r}, 'exec'))\n"
+        f"__path__.append({str(SRC / 'tandem')!r})\n"
+    )
     (package / "server" / "__init__.py").write_text("")
     (package / "server" / "cli.py").write_text(FAKE_SERVER_CLI)
     return root

@@ -93,6 +93,7 @@ def test_32_concurrent_requests_are_right_and_free_everything(client, trio):
         (decode, "tandem_kv_transfer_blocks_received"),
         (decode, "tandem_kv_transfer_seconds_count"),
     ]
+    assert_nothing_held(prefill, decode)  # earlier tests' transfers are all counted
     before = [metric(worker, name) for worker, name in counters]
 
     def pd(body: dict):

@@ -90,6 +90,7 @@ def test_the_prefill_leg_follows_the_protocol():
         "stream": False,
         "max_tokens": 1,
         "max_completion_tokens": 1,
+        "min_tokens": 1,  # the client asked for 5: the first token may not end the request
         "temperature": 0.5,
         "kv_transfer_params": {
             "do_remote_decode": True,

@@ -1,0 +1,224 @@
+"""The real PD system end to end: `tandem serve` on the default model behind the official openai
+client, compared with a colocated worker; a decode worker killed mid-stream behind the router;
+Ctrl-C on `tandem serve` leaving no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from worker_fixtures import DEFAULT_MODEL, free_port, running_worker, start_worker
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def tandem_process(log: Path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"{what} did not happen within {timeout} s")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below pid (from /proc), the launcher's workers and engine cores."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            children = {int(child) for child in task.read_text().split()}
+            frontier.extend(children - found)
+            found |= children
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """`tandem serve` (1 prefill + 1 decode, CPU) and a colocated worker to compare with."""
+    logs = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    launcher = tandem_process(logs / "serve.log", "serve", "--port", str(port), "--device", "cpu")
+    reference = start_worker(logs)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 300, "tandem serve")
+        reference.wait_healthy()
+        yield {"url": url, "launcher": launcher, "reference": reference, "logs": logs}
+    finally:
+        reference.stop()
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+def test_openai_client_through_serve_matches_colocated(cluster):
+    pd = openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused")
+    both = openai.OpenAI(base_url=cluster["reference"].url + "/v1", api_key="unused")
+    chat = dict(model=DEFAULT_MODEL, messages=CHAT, temperature=0, max_tokens=20)
+    answers = [c.chat.completions.create(**chat) for c in (pd, both)]
+    assert "Paris" in answers[0].choices[0].message.content
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.completion_tokens == answers[1].usage.completion_tokens
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in pd.chat.completions.create(**chat, stream=True)
+        if chunk.choices
+    )
+    assert streamed == answers[1].choices[0].message.content
+
+    completion = dict(
+        model=DEFAULT_MODEL,
+        prompt="Once upon a time, there was a little",
+        max_tokens=16,
+        temperature=0.8,
+        seed=11,
+    )
+    expected = both.completions.create(**completion).choices[0].text
+    assert pd.completions.create(**completion).choices[0].text == expected
+    chunks = list(pd.completions.create(**completion, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
+def test_64_concurrent_streams_complete(cluster):
+    async def run() -> list[tuple[str, str | None]]:
+        client = openai.AsyncOpenAI(base_url=cluster["url"] + "/v1", api_key="unused")
+
+        async def one(index: int) -> tuple[str, str | None]:
+            stream = await client.completions.create(
+                model=DEFAULT_MODEL,
+                prompt=f"Story number {index}: once upon a time",
+                max_tokens=6,
+                temperature=0.7,
+                seed=index,
+                stream=True,
+            )
+            text, finish = "", None
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    finish = chunk.choices[0].finish_reason or finish
+            return text, finish
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    assert all(text and finish in ("length", "stop") for text, finish in results)
+
+
+def test_ctrl_c_on_serve_leaves_no_process(cluster):
+    launcher = cluster["launcher"]
+    children = descendants(launcher.pid)
+    assert len(children) >= 5  # router, two workers, two engine cores
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(timeout=60) == 0
+    wait_until(lambda: not any(alive(pid) for pid in children), 10, "every child exiting")
+
+
+def test_killing_a_real_decode_worker_mid_stream(tmp_path, tiny_checkpoints):
+    """Streams through the router end with an error event when their decode worker dies; new
+    requests succeed once a decode worker is back on the same address."""
+    model = str(tiny_checkpoints["llama-gqa"])
+    decode_port, router_port = free_port(), free_port()
+    decode_flags = ("--role", "decode")
+    with running_worker(tmp_path, "--role", "prefill", model=model) as prefill:
+        decode = start_worker(tmp_path, *decode_flags, model=model, port=decode_port)
+        decode.wait_healthy()
+        router = tandem_process(
+            tmp_path / "router.log", "router", "--port", str(router_port),
+            "--prefill", prefill.url, "--decode", decode.url, "--health-interval", "0.2",
+        )  # fmt: skip
+        router_url = f"http://127.0.0.1:{router_port}"
+        try:
+            wait_until(lambda: httpx.get(f"{router_url}/health").status_code == 200, 60, "router")
+            body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            events: list[list] = [[] for _ in range(3)]
+            ended_at = [float("inf")] * len(events)
+            started = [threading.Event() for _ in events]
+
+            def read(index: int) -> None:
+                url = f"{router_url}/v1/completions"
+                with httpx.stream("POST", url, json=body, timeout=60) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            data = line[6:]
+                            events[index].append(data if data == "[DONE]" else json.loads(data))
+                            if len(events[index]) >= 3:
+                                started[index].set()
+                ended_at[index] = time.monotonic()
+
+            readers = [threading.Thread(target=read, args=(i,)) for i in range(len(events))]
+            for reader in readers:
+                reader.start()
+            assert all(event.wait(60) for event in started), "the streams did not start"
+            killed_at = time.monotonic()
+            os.killpg(decode.process.pid, signal.SIGKILL)
+            for reader in readers:
+                reader.join(timeout=20)
+            assert not any(reader.is_alive() for reader in readers), "a stream hung"
+            cut = [stream for stream, end in zip(events, ended_at, strict=True) if end > killed_at]
+            assert cut, "every stream finished before the kill; nothing was tested"
+            for stream in cut:  # those still running when the decode worker died
+                assert stream[-1] == "[DONE]"
+                assert "error" in stream[-2], stream[-2]
+
+            replacement = start_worker(tmp_path, *decode_flags, model=model, port=decode_port)
+            try:
+                replacement.wait_healthy()
+                wait_until(
+                    lambda: httpx.get(f"{router_url}/health").status_code == 200, 30, "rejoin"
+                )
+                answer = httpx.post(
+                    f"{router_url}/v1/completions",
+                    json={"prompt": [1, 2, 3, 4], "max_tokens": 5, "return_token_ids": True},
+                    timeout=60,
+                )
+                assert answer.status_code == 200
+                assert len(answer.json()["choices"][0]["token_ids"]) == 5
+            finally:
+                replacement.stop()
+        finally:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait()
+            decode.stop()
