@@ -175,7 +175,7 @@ def test_killing_a_real_decode_worker_mid_stream(tmp_path, tiny_checkpoints):
             body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
             events: list[list] = [[] for _ in range(3)]
             ended_at = [float("inf")] * len(events)
-            started = [threading.Event() for _ in events]
+            started = threading.Event()  # a first stream is under way
 
             def read(index: int) -> None:
                 url = f"{router_url}/v1/completions"
@@ -185,23 +185,25 @@ def test_killing_a_real_decode_worker_mid_stream(tmp_path, tiny_checkpoints):
                             data = line[6:]
                             events[index].append(data if data == "[DONE]" else json.loads(data))
                             if len(events[index]) >= 3:
-                                started[index].set()
+                                started.set()
                 ended_at[index] = time.monotonic()
 
             readers = [threading.Thread(target=read, args=(i,)) for i in range(len(events))]
             for reader in readers:
                 reader.start()
-            assert all(event.wait(60) for event in started), "the streams did not start"
+            assert started.wait(60), "the streams did not start"
             killed_at = time.monotonic()
             os.killpg(decode.process.pid, signal.SIGKILL)
             for reader in readers:
                 reader.join(timeout=20)
             assert not any(reader.is_alive() for reader in readers), "a stream hung"
-            cut = [stream for stream, end in zip(events, ended_at, strict=True) if end > killed_at]
+            assert all(stream[-1] == "[DONE]" for stream in events)
+            # A stream either had every token before the kill or ends with an error event.
+            finished = [s for s in events if s[-2].get("choices", [{}])[0].get("finish_reason")]
+            cut = [stream for stream in events if stream not in finished]
             assert cut, "every stream finished before the kill; nothing was tested"
-            for stream in cut:  # those still running when the decode worker died
-                assert stream[-1] == "[DONE]"
-                assert "error" in stream[-2], stream[-2]
+            assert all("error" in stream[-2] for stream in cut), [s[-2] for s in cut]
+            assert all(end - killed_at < 10 for end in ended_at)  # none waited for a timeout
 
             replacement = start_worker(tmp_path, *decode_flags, model=model, port=decode_port)
             try:
