@@ -239,7 +239,21 @@ def transfer_child(method: str) -> None:
             start = time.perf_counter()
             copy_blocks(remote, remote_ids, local, local_ids, stream, use_kernel)
             times.append(time.perf_counter() - start)
-        print(json.dumps({"seconds": statistics.median(times), "ok": ok}))
+        result = {"seconds": statistics.median(times), "ok": ok}
+        if use_kernel:  # the kernel alone, by launch shape, with the index tensors uploaded
+            from tandem.kv.cuda_ipc import copy_blocks_kernel
+
+            remote_index = torch.tensor(remote_ids, device="cuda:0")
+            local_index = torch.tensor(local_ids, device="cuda:0")
+            with torch.cuda.device("cuda:0"):
+                for chunk, warps in ((4096, 4), (8192, 8), (16384, 8), (16384, 16)):
+                    result[f"chunk{chunk}_warps{warps}_s"] = cuda_time(
+                        lambda c=chunk, w=warps: copy_blocks_kernel(
+                            remote, remote_index, local, local_index, c, w
+                        ),
+                        10,
+                    )
+        print(json.dumps(result))
     finally:
         producer.stdin.write("\n")
         producer.stdin.flush()
@@ -265,6 +279,9 @@ def transfer(limits: dict) -> dict:
             summary[f"{method}_error"] = child.stderr.strip().splitlines()[-3:]
             continue
         measured = json.loads(lines[-1])
+        for key, seconds in measured.items():
+            if key.startswith("chunk"):
+                summary[key.replace("_s", "_GBps")] = num_bytes / seconds / 1e9
         rate = num_bytes / measured["seconds"] / 1e9
         summary[f"{method}_ms"] = measured["seconds"] * 1e3
         summary[f"{method}_GBps"] = rate

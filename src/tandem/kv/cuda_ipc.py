@@ -31,7 +31,8 @@ try:
 except ImportError:
     triton = None
 
-COPY_CHUNK = 4096  # elements per program
+COPY_CHUNK = 16384  # elements per program (a whole 16-token block of 8 heads x 128)
+COPY_WARPS = 8
 
 if triton is not None:
 
@@ -75,16 +76,18 @@ def copy_blocks_kernel(
     remote_ids: torch.Tensor,
     local_cache: torch.Tensor,
     local_ids: torch.Tensor,
+    chunk: int = COPY_CHUNK,
+    num_warps: int = COPY_WARPS,
 ) -> None:
     """Launch the block copy on the current stream of remote_cache's device. Caches:
     [layers, 2, num_blocks, *block], contiguous; ids: int64 tensors on remote_cache's device."""
     num_planes = remote_cache.shape[0] * remote_cache.shape[1]
     block_elems = remote_cache[0, 0, 0].numel()
-    grid = (len(local_ids), num_planes, triton.cdiv(block_elems, COPY_CHUNK))
+    grid = (len(local_ids), num_planes, triton.cdiv(block_elems, chunk))
     _copy_blocks_kernel[grid](
         remote_cache.data_ptr(), local_cache.data_ptr(), remote_ids, local_ids,
         remote_cache.shape[2] * block_elems, local_cache.shape[2] * block_elems, block_elems,
-        DTYPE=TRITON_DTYPES[local_cache.dtype], CHUNK=COPY_CHUNK,
+        DTYPE=TRITON_DTYPES[local_cache.dtype], CHUNK=chunk, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -118,22 +121,23 @@ def copy_blocks(
     for the copy to finish. Caches: [layers, 2, num_blocks, block_size, kv_heads, head_dim].
     use_kernel=False (or no Triton) gathers on the remote GPU and makes one peer copy instead."""
     local_device, remote_device = local_cache.device, remote_cache.device
-    with torch.cuda.stream(stream):
-        local_ids = torch.tensor(local_block_ids, device=local_device)
-        ready = torch.cuda.Event()
-        ready.record(stream)  # the local blocks are free to overwrite from here on
+    ready = torch.cuda.Event()
+    ready.record(stream)  # the local blocks are free to overwrite from here on
     with torch.cuda.device(remote_device):
         remote_stream = torch.cuda.current_stream(remote_device)
         remote_stream.wait_event(ready)
-        remote_ids = torch.tensor(remote_block_ids, device=remote_device)
         if use_kernel and triton is not None:
-            copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids.to(remote_device))
+            ids = torch.tensor([remote_block_ids, local_block_ids]).pin_memory()
+            ids = ids.to(remote_device, non_blocking=True)  # one upload for both index lists
+            copy_blocks_kernel(remote_cache, ids[0], local_cache, ids[1])
             remote_stream.synchronize()
             return
         planes = remote_cache.shape[0] * remote_cache.shape[1]
+        remote_ids = torch.tensor(remote_block_ids, device=remote_device)
         gathered = remote_cache.view(planes, remote_cache.shape[2], -1)[:, remote_ids]
         remote_stream.synchronize()
     with torch.cuda.stream(stream):
+        local_ids = torch.tensor(local_block_ids, device=local_device)
         moved = gathered.to(local_device, non_blocking=True)
         local_cache.view(planes, local_cache.shape[2], -1)[:, local_ids] = moved
     stream.synchronize()
