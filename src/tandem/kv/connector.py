@@ -20,6 +20,11 @@ Decode side (a request with kv_transfer_params.do_remote_prefill, carrying the f
     get_finished:               finished_recving / failed_recving -> the scheduler treats the
                                 prompt as computed, or recomputes it / fails the request (policy)
     an aborted request whose load is still running keeps its blocks until the load ends
+    a prompt the local prefix cache holds whole, or a request done on its first token, only
+    releases the prefill's lease (a transfer confirmed without its bytes)
+
+With the cuda-ipc transport nothing is staged: decode maps the prefill's cache once and copies
+the blocks GPU to GPU (`kv/cuda_ipc.py`); the TCP connection carries only the confirmation.
 
 Blocks of remote and local caches line up one to one: remote block k holds prompt tokens
 [k * block_size, (k + 1) * block_size), the same tokens as local block k of the request.
