@@ -77,10 +77,7 @@ class LLM:
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         rendered = [self.inputs.render_chat(c, **template_kwargs) for c in conversations]
-        prompts = [
-            (text, list(self.tokenizer(text, add_special_tokens=False).input_ids))
-            for text in rendered
-        ]
+        prompts = [(text, self.inputs.tokenize_rendered_chat(text)) for text in rendered]
         return self._run(prompts, _broadcast(sampling_params, len(prompts)))
 
     def _run(

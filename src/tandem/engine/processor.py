@@ -62,9 +62,12 @@ class InputProcessor:
             messages, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
 
-    def tokenize_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        text = self.render_chat(messages, **template_kwargs)
+    def tokenize_rendered_chat(self, text: str) -> list[int]:
+        """A rendered chat template's tokens (the template wrote its special tokens itself)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def tokenize_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        return self.tokenize_rendered_chat(self.render_chat(messages, **template_kwargs))
 
     def make_requests(
         self,

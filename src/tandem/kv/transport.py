@@ -134,5 +134,9 @@ class TransportClient(ABC):
         KVTransferError on failure."""
 
     @abstractmethod
+    def release(self, host: str, port: int, transfer_id: str, *, timeout: float) -> None:
+        """Confirm a transfer without fetching its bytes (the decode side needs none of them)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release every connection."""

@@ -21,7 +21,12 @@ import zmq.asyncio
 from tandem.engine.config import EngineConfig
 from tandem.engine.core_process import EngineInfo, run_engine_core
 from tandem.engine.outputs import EngineCoreOutput
-from tandem.engine.processor import InputProcessor, OutputProcessor, SequenceDelta
+from tandem.engine.processor import (
+    InputProcessor,
+    OutputProcessor,
+    SequenceDelta,
+    child_request_id,
+)
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 
@@ -175,7 +180,7 @@ class AsyncEngineClient:
                 await self._input.send_pyobj(("add", to_submit))
             while pending or not queue.empty():
                 delta = await queue.get()
-                child_id = f"{request_id}-{delta.index}"
+                child_id = child_request_id(request_id, delta.index)
                 if child_id in unstarted:
                     unstarted.discard(child_id)
                     self._num_unstarted -= 1
@@ -234,7 +239,7 @@ class AsyncEngineClient:
             if stopped:
                 await self._input.send_pyobj(("abort", stopped))
             for delta in deltas:
-                queue = self._queues.get(f"{delta.request_id}-{delta.index}")
+                queue = self._queues.get(child_request_id(delta.request_id, delta.index))
                 if queue is not None:
                     queue.put_nowait(delta)
 
