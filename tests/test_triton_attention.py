@@ -23,7 +23,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -53,6 +53,7 @@ class Case:
     dtype: str = "float32"
     fused_qkv: bool = False  # q, k, v as strided views of one [T, (H + 2 KVH) * D] tensor
     dropped_slots: int = 0  # new tokens whose slot is -1 (not stored)
+    launch_max_seq_len: int = 0  # metadata.max_seq_len above every context, as a CUDA graph has
     config: tuple[tuple[str, int], ...] = ()  # TritonAttentionConfig overrides
 
 
@@ -83,6 +84,10 @@ INTERPRETER_CASES = {
     "decode_one_split_gqa1": Case(
         cached=(33, 8, 15), new=(1, 1, 1), num_kv_heads=2, group=1, head_dim=64, block_size=16,
         config=SMALL_TILES,
+    ),
+    "decode_short_contexts_long_launch": Case(
+        cached=(3, 40, 100), new=(1, 1, 1), num_kv_heads=2, group=4, head_dim=32, block_size=16,
+        launch_max_seq_len=4096, config=SMALL_TILES,
     ),
     "prefill_float16": Case(
         cached=(20, 0), new=(11, 6), num_kv_heads=2, group=2, head_dim=32, block_size=16,
@@ -140,7 +145,7 @@ def make_batch(case: Case, device: str | torch.device, seed: int) -> tuple:
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=block_tables.to(device),
         max_query_len=max(case.new),
-        max_seq_len=max(seq_lens),
+        max_seq_len=max(case.launch_max_seq_len, *seq_lens),
     )
     return (
         q.view(num_tokens, num_heads, case.head_dim),
@@ -169,7 +174,8 @@ def run_interpreter_case(case: Case, seed: int) -> dict:
     backend = TritonAttentionBackend(TritonAttentionConfig(**dict(case.config)))
     scale = case.head_dim**-0.5
     out = backend.forward(q, k, v, k_cache, v_cache, metadata, scale)
-    ref = TorchAttentionBackend().forward(q, k, v, ref_k_cache, ref_v_cache, metadata, scale)
+    exact = replace(metadata, max_seq_len=int(metadata.seq_lens.max()))  # the reference's bound
+    ref = TorchAttentionBackend().forward(q, k, v, ref_k_cache, ref_v_cache, exact, scale)
     whole, rows = relative_errors(out, ref)
     splits = backend.num_decode_splits(metadata, case.num_kv_heads, q.device)
     return {
@@ -235,6 +241,7 @@ def test_interpreter_cases_cover_split_and_single_split_decode(interpreter_resul
     assert interpreter_results["decode_split_gqa4"]["decode_splits"] >= 4
     assert interpreter_results["decode_split_gqa3_fused_qkv"]["decode_splits"] >= 2
     assert interpreter_results["decode_one_split_gqa1"]["decode_splits"] == 1
+    assert interpreter_results["decode_short_contexts_long_launch"]["decode_splits"] >= 4
 
 
 def test_registry_returns_triton_backend() -> None:

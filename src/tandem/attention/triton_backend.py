@@ -3,8 +3,9 @@
 `forward` stores the new k/v at `slot_mapping`, then launches one of two paths:
 
 * decode-only batches (`metadata.is_decode_only`): `decode_attention_kernel` over
-  (sequence, kv head, split), each split a contiguous run of `keys_per_split` context positions,
-  then `reduce_splits_kernel` combines the splits by log-sum-exp (skipped when there is one split);
+  (sequence, kv head, split), each split an even share of that context in whole key tiles,
+  then `reduce_splits_kernel` combines the splits by log-sum-exp (skipped when there is one
+  split);
 * anything else (prefill chunks, prefix hits, mixed prefill + decode): `prefill_attention_kernel`
   over (query tile, sequence, kv head), which handles query_len 1 as well.
 
@@ -47,7 +48,7 @@ class TritonAttentionConfig:
     decode_block_n: int | None = None
     decode_num_warps: int | None = None
     decode_num_stages: int | None = None
-    decode_min_keys_per_split: int = 128  # never split a context finer than this
+    decode_min_keys_per_split: int = 128  # launch at most max_seq_len / this many splits
     decode_max_splits: int = 64
     decode_programs_per_sm: int = 2  # aim for this many decode programs per multiprocessor
 
@@ -214,9 +215,6 @@ class TritonAttentionBackend(AttentionBackend):
         cfg = self.config
         block_n = cfg.decode_block_n or (32 if k_cache.dtype == torch.float32 else 64)
         num_splits = self.num_decode_splits(metadata, num_kv_heads, q.device)
-        keys_per_split = triton.cdiv(triton.cdiv(metadata.max_seq_len, num_splits), block_n)
-        keys_per_split *= block_n
-        num_splits = triton.cdiv(metadata.max_seq_len, keys_per_split)
         if num_splits > 1:
             partial_out = torch.empty(
                 num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
@@ -237,7 +235,6 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.query_start_loc,
             metadata.seq_lens,
             scale * _LOG2_E,
-            keys_per_split,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -264,13 +261,13 @@ class TritonAttentionBackend(AttentionBackend):
                 partial_lse,
                 metadata.query_start_loc,
                 metadata.seq_lens,
-                keys_per_split,
                 out.stride(0),
                 out.stride(1),
                 NUM_HEADS=num_heads,
                 NUM_SPLITS=num_splits,
                 SPLITS_POW2=triton.next_power_of_2(num_splits),
                 HEAD_DIM=head_dim,
+                BLOCK_N=block_n,
                 num_warps=4,
             )
 

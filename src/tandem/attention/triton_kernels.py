@@ -217,6 +217,12 @@ def prefill_attention_kernel(
 
 
 @triton.jit
+def _keys_per_split(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Context positions per decode split: an even share of seq_len, in whole key tiles."""
+    return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -228,7 +234,6 @@ def decode_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     qk_scale,
-    keys_per_split,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -247,13 +252,17 @@ def decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Partials: partial_out [B, NUM_HEADS, NUM_SPLITS, HEAD_DIM] (normalised within the split),
-    partial_lse [B, NUM_HEADS, NUM_SPLITS] (base 2). Splits past the context write nothing."""
+    partial_lse [B, NUM_HEADS, NUM_SPLITS] (base 2). Splits past the context write nothing.
+
+    Each context is cut by its own length (`_keys_per_split`), so a short context in a launch
+    shaped for long ones still spreads over several programs."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq)
     query_end = tl.load(query_start_loc_ptr + seq + 1)
+    keys_per_split = _keys_per_split(seq_len, NUM_SPLITS, BLOCK_N)
     key_begin = split * keys_per_split
     if (key_begin >= seq_len) | (query_end == token):
         return
@@ -314,13 +323,13 @@ def reduce_splits_kernel(
     partial_lse_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
-    keys_per_split,
     stride_out_token,
     stride_out_head,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -328,7 +337,7 @@ def reduce_splits_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == token:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_used_splits = tl.cdiv(seq_len, keys_per_split)
+    num_used_splits = tl.cdiv(seq_len, _keys_per_split(seq_len, NUM_SPLITS, BLOCK_N))
     splits = tl.arange(0, SPLITS_POW2)
     split_used = splits < num_used_splits
     dims = tl.arange(0, HEAD_DIM)
