@@ -1,22 +1,29 @@
-"""CUDA graphs of the decode forward pass, one per batch size of a ladder.
+"""CUDA graphs of the decode forward pass and its logits, one per batch size of a ladder.
 
 A decode step launches a few hundred small kernels; replaying a captured graph launches them as
-one. Graphs read their inputs from static buffers, so a step copies its inputs in, pads the batch
-up to the next captured size and replays:
+one. Graphs read their inputs from static device buffers, which a step fills with two copies from
+pinned host buffers of the same layout (no per-step allocation, pinning or small copy kernels),
+padding the batch up to the next captured size:
 
     rows  0 .. n-1        the real requests
     rows  n .. size-1     padding: slot -1 (store nothing), context length 1, block table of 0s
 
+    token inputs (int64)       [input_ids | positions | slot_mapping], max_batch each
+    sequence inputs (int32)    [seq_lens (max_batch) | block_tables (max_batch x max_blocks)]
+
 Graphs are captured with max_seq_len = the model's context length, so the attention kernels'
-launch shapes cover every real context.
+launch shapes cover every real context. The graph ends with the logits ([size, vocab], float32).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from tandem.attention.base import AttentionMetadata
 from tandem.engine.kv_cache_manager import cdiv
+from tandem.engine.outputs import ScheduledRequest
 from tandem.models.llama import LlamaForCausalLM
 
 
@@ -40,18 +47,33 @@ class DecodeGraphs:
         device = kv_cache.device
         self.model = model
         self.kv_cache = kv_cache
+        self.max_batch = max_batch
         self.max_seq_len = max_seq_len
+        self.block_size = block_size
+        self.max_blocks = cdiv(max_seq_len, block_size)
         self.sizes = batch_size_ladder(max_batch)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(
-            (max_batch, cdiv(max_seq_len, block_size)), dtype=torch.int32, device=device
+
+        self.token_inputs = torch.zeros(3 * max_batch, dtype=torch.int64, device=device)
+        self.seq_inputs = torch.zeros(
+            max_batch * (1 + self.max_blocks), dtype=torch.int32, device=device
         )
+        self.token_staging = torch.zeros_like(self.token_inputs, device="cpu").pin_memory()
+        self.seq_staging = torch.zeros_like(self.seq_inputs, device="cpu").pin_memory()
+        tokens = self.token_staging.numpy().reshape(3, max_batch)
+        self.staged_ids, self.staged_positions, self.staged_slots = tokens
+        self.staged_seq_lens = self.seq_staging.numpy()[:max_batch]
+        self.staged_block_tables = self.seq_staging.numpy()[max_batch:].reshape(max_batch, -1)
+        self.staged_slots[:] = -1
+        self.staged_seq_lens[:] = 1
+        self.staging_free = torch.cuda.Event()  # the last upload has left the staging buffers
+
+        self.input_ids, self.positions, self.slot_mapping = self.token_inputs.view(3, max_batch)
+        self.seq_lens = self.seq_inputs[:max_batch]
+        self.block_tables = self.seq_inputs[max_batch:].view(max_batch, self.max_blocks)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._upload(max_batch)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}
         self._capture()
 
     def _metadata(self, size: int) -> AttentionMetadata:
@@ -64,35 +86,52 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
         )
 
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(
+            self.input_ids[:size], self.positions[:size], self.kv_cache, self._metadata(size)
+        )
+        return self.model.compute_logits(hidden)
+
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
         for size in reversed(self.sizes):
-            args = (self.input_ids[:size], self.positions[:size], self.kv_cache)
-            self.model(*args, self._metadata(size))  # warm-up: compiles kernels outside capture
+            self._forward(size)  # warm-up: compiles kernels outside capture
             torch.cuda.synchronize(self.kv_cache.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(*args, self._metadata(size))
+                self.logits[size] = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
 
     def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.sizes[-1]
+        return num_seqs <= self.max_batch
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        num_seqs = input_ids.shape[0]
+    def _upload(self, size: int) -> None:
+        self.token_inputs.copy_(self.token_staging, non_blocking=True)
+        rows = self.max_batch + size * self.max_blocks
+        self.seq_inputs[:rows].copy_(self.seq_staging[:rows], non_blocking=True)
+        self.staging_free.record()
+
+    def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Logits [len(requests), vocab] of a decode-only batch (one token per request)."""
+        num_seqs = len(requests)
         size = next(s for s in self.sizes if s >= num_seqs)
-        self.input_ids[:num_seqs].copy_(input_ids)
-        self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
-        self.slot_mapping[num_seqs:size].fill_(-1)
-        self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
-        self.seq_lens[num_seqs:size].fill_(1)
-        width = metadata.block_tables.shape[1]
-        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
-        self.block_tables[num_seqs:size].zero_()
+        block_size = self.block_size
+        self.staging_free.synchronize()
+        for row, request in enumerate(requests):
+            position = request.start_position
+            block_ids = request.block_ids
+            self.staged_ids[row] = request.token_ids[0]
+            self.staged_positions[row] = position
+            self.staged_slots[row] = block_ids[position // block_size] * block_size + (
+                position % block_size
+            )
+            self.staged_seq_lens[row] = position + 1
+            self.staged_block_tables[row, : len(block_ids)] = block_ids
+        self.staged_slots[num_seqs:size] = -1
+        self.staged_seq_lens[num_seqs:size] = 1
+        self.staged_block_tables[num_seqs:size, 0] = 0
+        self._upload(size)
         self.graphs[size].replay()
-        return self.outputs[size][:num_seqs]
+        return self.logits[size][:num_seqs]

@@ -181,36 +181,50 @@ class ModelRunner:
             query_start_loc,
         )
 
+    def _graph_can_run(self, scheduler_output: SchedulerOutput) -> bool:
+        """A captured graph runs decode-only batches that fit it, when no layer-wise KV save has
+        to run between the layers."""
+        requests = scheduler_output.requests
+        return (
+            self.decode_graphs is not None
+            and self.decode_graphs.can_run(len(requests))
+            and all(len(r.token_ids) == 1 and r.sample for r in requests)
+            and not getattr(scheduler_output.kv_connector_metadata, "saves", None)
+        )
+
+    def _forward_eager(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
+        """Logits of the rows that sample (None when none does)."""
+        connector_meta = scheduler_output.kv_connector_metadata
+        input_ids, positions, metadata, query_start_loc = self.prepare(scheduler_output)
+        hidden = self.model(
+            input_ids,
+            positions,
+            self.kv_cache,
+            metadata,
+            after_layer=lambda index: self.connector.save_kv_layer(index, connector_meta),
+        )
+        self.connector.wait_for_save(connector_meta)
+        requests = scheduler_output.requests
+        rows = [query_start_loc[row + 1] - 1 for row, r in enumerate(requests) if r.sample]
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[self._to_device(rows, torch.int64)])
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         connector_meta = scheduler_output.kv_connector_metadata
         self.connector.start_load_kv(connector_meta)
         output = RunnerOutput()
         if scheduler_output.requests:
-            input_ids, positions, metadata, query_start_loc = self.prepare(scheduler_output)
-            graphs = self.decode_graphs
-            if (
-                graphs is not None
-                and metadata.is_decode_only
-                and graphs.can_run(metadata.num_seqs)
-                and not getattr(connector_meta, "saves", None)
-            ):
-                hidden = graphs.run(input_ids, positions, metadata)
+            if self._graph_can_run(scheduler_output):
+                logits = self.decode_graphs.run(scheduler_output.requests)
+                self.connector.wait_for_save(connector_meta)
             else:
-                hidden = self.model(
-                    input_ids,
-                    positions,
-                    self.kv_cache,
-                    metadata,
-                    after_layer=lambda index: self.connector.save_kv_layer(index, connector_meta),
-                )
-            self.connector.wait_for_save(connector_meta)
-            to_sample = [(row, r) for row, r in enumerate(scheduler_output.requests) if r.sample]
+                logits = self._forward_eager(scheduler_output)
+            to_sample = [r for r in scheduler_output.requests if r.sample]
             if to_sample:
-                rows = torch.tensor([query_start_loc[row + 1] - 1 for row, _ in to_sample])
-                logits = self.model.compute_logits(hidden[rows.to(hidden.device)])
-                token_ids, logprobs = self.sampler(logits, [r for _, r in to_sample])
-                for (_, request), token_id, lp in zip(to_sample, token_ids, logprobs, strict=True):
+                token_ids, logprobs = self.sampler(logits, to_sample)
+                for request, token_id, lp in zip(to_sample, token_ids, logprobs, strict=True):
                     output.sampled_token_ids[request.request_id] = token_id
                     if lp is not None:
                         output.logprobs[request.request_id] = lp
