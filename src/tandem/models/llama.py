@@ -130,13 +130,17 @@ class Attention(nn.Module):
         context: ForwardContext,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if context.cos_sin is None:
+        if context.cos_sin is None and not self.qk_norm:  # q and k side by side: one launch
+            qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (-1, self.head_dim))
+            triton_ops.rotary_(qk, context.positions, rotary.inv_freq)
+        elif context.cos_sin is None:
             triton_ops.rotary_(q, context.positions, rotary.inv_freq)
             triton_ops.rotary_(k, context.positions, rotary.inv_freq)
         else:
