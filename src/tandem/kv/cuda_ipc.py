@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import pickle
 
+import numpy as np
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -80,7 +81,7 @@ def copy_blocks_kernel(
     num_warps: int = COPY_WARPS,
 ) -> None:
     """Launch the block copy on the current stream of remote_cache's device. Caches:
-    [layers, 2, num_blocks, *block], contiguous; ids: int64 tensors on remote_cache's device."""
+    [layers, 2, num_blocks, *block], contiguous; ids: integer tensors on remote_cache's device."""
     num_planes = remote_cache.shape[0] * remote_cache.shape[1]
     block_elems = remote_cache[0, 0, 0].numel()
     grid = (len(local_ids), num_planes, triton.cdiv(block_elems, chunk))
@@ -127,8 +128,8 @@ def copy_blocks(
         remote_stream = torch.cuda.current_stream(remote_device)
         remote_stream.wait_event(ready)
         if use_kernel and triton is not None:
-            ids = torch.tensor([remote_block_ids, local_block_ids]).pin_memory()
-            ids = ids.to(remote_device, non_blocking=True)  # one upload for both index lists
+            ids = np.array([remote_block_ids, local_block_ids], dtype=np.int32)
+            ids = torch.from_numpy(ids).pin_memory().to(remote_device, non_blocking=True)
             copy_blocks_kernel(remote_cache, ids[0], local_cache, ids[1])
             remote_stream.synchronize()
             return
