@@ -136,6 +136,8 @@ def roofline(limits: dict) -> dict:
         core.step()
         step_times.append(time.perf_counter() - start)
     decode_s = statistics.median(step_times[10:])
+    graph = core.runner.decode_graphs.graphs[1]  # GPU time alone: forward + logits, batch 1
+    graph_s = cuda_time(graph.replay, 20)
     context = 128 + 80
     decode_bytes = weight_bytes(core, decode=True) + context * core.kv_spec.bytes_per_token
     roofline_s = decode_bytes / (limits["copy_GBps"] * 1e9)
@@ -144,6 +146,7 @@ def roofline(limits: dict) -> dict:
         "prefill_TFLOPs": prefill_tflops,
         "prefill_fraction_of_matmul": prefill_tflops / limits["matmul_bf16_TFLOPs"],
         "decode_step_b1_ms": decode_s * 1e3,
+        "decode_graph_gpu_ms": graph_s * 1e3,
         "decode_roofline_ms": roofline_s * 1e3,
         "decode_over_roofline": decode_s / roofline_s,
     }
@@ -317,11 +320,10 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> N
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def stream_once(url: str, prompt: list[int], max_tokens: int) -> dict:
+def stream_once(client, url: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion: TTFT, time to second token and TPOT, from the arrival times of
-    the chunks that carry a token (its text or its id)."""
-    import httpx
-
+    the chunks that carry a token (its text or its id). The client is created once, outside the
+    timing (building an HTTP client costs tens of milliseconds)."""
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -333,7 +335,7 @@ def stream_once(url: str, prompt: list[int], max_tokens: int) -> dict:
     }
     times, num_tokens = [], 0
     start = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
         for line in response.iter_lines():
             now = time.perf_counter()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -350,17 +352,28 @@ def stream_once(url: str, prompt: list[int], max_tokens: int) -> dict:
     }
 
 
-def greedy_token_ids(url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    import httpx
-
+def greedy_token_ids(client, url: str, prompt: list[int], max_tokens: int) -> list[int]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    answer = httpx.post(
-        f"{url}/v1/completions", json=dict(body, return_token_ids=True), timeout=300
-    ).json()
+    answer = client.post(f"{url}/v1/completions", json=dict(body, return_token_ids=True)).json()
     return answer["choices"][0]["token_ids"]
 
 
+def kv_transfer_seconds_total(client, url: str) -> float:
+    """The decode worker's tandem_kv_transfer_seconds_sum (time spent loading remote KV)."""
+    lines = client.get(f"{url}/metrics").text.splitlines()
+    return sum(
+        float(line.split()[-1])
+        for line in lines
+        if line.startswith("tandem_kv_transfer_seconds_sum")
+    )
+
+
+LATENCY_REPEATS = 10  # measured requests per input length and path, after 2 warm-ups
+
+
 def latency(limits: dict, log_dir: Path) -> dict:
+    import httpx
+
     common = [
         "--model", "qwen3-0.6b", "--load-format", "dummy", "--host", "127.0.0.1",
         "--gpu-memory-utilization", "0.4", "--max-model-len", "16384",
@@ -375,34 +388,49 @@ def latency(limits: dict, log_dir: Path) -> dict:
         "decode": start_process(["worker", *common, "--port", "8303", "--device", "cuda:1",
                                  "--role", "decode", *ipc], log_dir / "decode.log"),
     }  # fmt: skip
+    urls = {"both": "http://127.0.0.1:8301", "pd": "http://127.0.0.1:8300"}
+    decode_url = "http://127.0.0.1:8303"
     try:
         for name, port in (("both", 8301), ("prefill", 8302), ("decode", 8303)):
             wait_healthy(f"http://127.0.0.1:{port}", processes[name])
         processes["router"] = start_process(
             ["router", "--port", "8300", "--prefill", "http://127.0.0.1:8302",
-             "--decode", "http://127.0.0.1:8303"], log_dir / "router.log",
+             "--decode", decode_url], log_dir / "router.log",
         )  # fmt: skip
-        wait_healthy("http://127.0.0.1:8300", processes["router"])
+        wait_healthy(urls["pd"], processes["router"])
         generator = torch.Generator().manual_seed(0)
         results = {}
-        for num_input in (128, 1024, 8192):
-            row = {}
-            for name, url in (("both", "http://127.0.0.1:8301"), ("pd", "http://127.0.0.1:8300")):
-                runs = []
-                for _ in range(4):
+        with httpx.Client(timeout=300) as client:
+            for num_input in (128, 1024, 8192):
+                runs: dict[str, list[dict]] = {"both": [], "pd": []}
+                for repeat in range(2 + LATENCY_REPEATS):
                     prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
-                    runs.append(stream_once(url, prompt, 128))
-                measured = runs[1:]  # the first is a warm-up
-                row[name] = {
-                    key: statistics.median(r[key] for r in measured)
-                    for key in ("ttft_ms", "ttst_ms", "tpot_ms")
+                    order = ("both", "pd") if repeat % 2 else ("pd", "both")  # alternate
+                    for name in order:
+                        if name == "pd":
+                            before = kv_transfer_seconds_total(client, decode_url)
+                        run = stream_once(client, urls[name], prompt, 128)
+                        if name == "pd":
+                            after = kv_transfer_seconds_total(client, decode_url)
+                            run["kv_transfer_ms"] = (after - before) * 1e3
+                        if repeat >= 2:  # the first two are warm-ups
+                            runs[name].append(run)
+                row = {
+                    name: {key: statistics.median(r[key] for r in measured) for key in measured[0]}
+                    for name, measured in runs.items()
                 }
-            prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
-            colocated = greedy_token_ids("http://127.0.0.1:8301", prompt, 64)
-            disaggregated = greedy_token_ids("http://127.0.0.1:8300", prompt, 64)
-            row["pd_identical_to_both"] = colocated == disaggregated
-            row["ttft_ratio"] = row["pd"]["ttft_ms"] / row["both"]["ttft_ms"]
-            results[str(num_input)] = row
+                row["ttft_ratio"] = row["pd"]["ttft_ms"] / row["both"]["ttft_ms"]
+                ratios = [
+                    pd["ttft_ms"] / both["ttft_ms"]
+                    for pd, both in zip(runs["pd"], runs["both"], strict=True)
+                ]  # each pair ran back to back on the same prompt
+                row["ttft_ratio_min_max"] = [min(ratios), max(ratios)]
+                row["ttst_pd_minus_both_ms"] = row["pd"]["ttst_ms"] - row["both"]["ttst_ms"]
+                prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
+                colocated = greedy_token_ids(client, urls["both"], prompt, 64)
+                disaggregated = greedy_token_ids(client, urls["pd"], prompt, 64)
+                row["pd_identical_to_both"] = colocated == disaggregated
+                results[str(num_input)] = row
         return results
     finally:
         for process in processes.values():
