@@ -360,11 +360,14 @@ def greedy_token_ids(client, url: str, prompt: list[int], max_tokens: int) -> li
 
 def kv_transfer_seconds_total(client, url: str) -> float:
     """The decode worker's tandem_kv_transfer_seconds_sum (time spent loading remote KV)."""
-    lines = client.get(f"{url}/metrics").text.splitlines()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(client.get(f"{url}/metrics").text)
     return sum(
-        float(line.split()[-1])
-        for line in lines
-        if line.startswith("tandem_kv_transfer_seconds_sum")
+        sample.value
+        for family in families
+        for sample in family.samples
+        if sample.name == "tandem_kv_transfer_seconds_sum"
     )
 
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.attention.base import AttentionMetadata
-from tandem.engine.kv_cache_manager import cdiv
+from tandem.engine.kv_cache_manager import cdiv, slot_of
 from tandem.engine.outputs import ScheduledRequest
 from tandem.models.llama import LlamaForCausalLM
 
@@ -124,9 +124,7 @@ class DecodeGraphs:
             block_ids = request.block_ids
             self.staged_ids[row] = request.token_ids[0]
             self.staged_positions[row] = position
-            self.staged_slots[row] = block_ids[position // block_size] * block_size + (
-                position % block_size
-            )
+            self.staged_slots[row] = slot_of(block_ids, position, block_size)
             self.staged_seq_lens[row] = position + 1
             self.staged_block_tables[row, : len(block_ids)] = block_ids
         self.staged_slots[num_seqs:size] = -1

@@ -19,6 +19,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
+    """The KV cache slot (block id * block_size + offset) that holds token `position`."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size

@@ -15,6 +15,7 @@ import torch
 
 from tandem.attention.base import AttentionMetadata
 from tandem.engine.config import EngineConfig
+from tandem.engine.kv_cache_manager import slot_of
 from tandem.engine.outputs import RunnerOutput, SchedulerOutput
 from tandem.engine.sampler import Sampler
 from tandem.kv.base import KVConnector
@@ -158,7 +159,7 @@ class ModelRunner:
             input_ids.extend(request.token_ids)
             if count == 1:
                 positions.append(start)
-                slots.append(block_ids[start // block_size] * block_size + start % block_size)
+                slots.append(slot_of(block_ids, start, block_size))
             else:
                 pos = np.arange(start, start + count)
                 positions.extend(pos.tolist())
@@ -203,7 +204,6 @@ class ModelRunner:
             metadata,
             after_layer=lambda index: self.connector.save_kv_layer(index, connector_meta),
         )
-        self.connector.wait_for_save(connector_meta)
         requests = scheduler_output.requests
         rows = [query_start_loc[row + 1] - 1 for row, r in enumerate(requests) if r.sample]
         if not rows:
@@ -218,9 +218,9 @@ class ModelRunner:
         if scheduler_output.requests:
             if self._graph_can_run(scheduler_output):
                 logits = self.decode_graphs.run(scheduler_output.requests)
-                self.connector.wait_for_save(connector_meta)
             else:
                 logits = self._forward_eager(scheduler_output)
+            self.connector.wait_for_save(connector_meta)
             to_sample = [r for r in scheduler_output.requests if r.sample]
             if to_sample:
                 token_ids, logprobs = self.sampler(logits, to_sample)
