@@ -8,12 +8,14 @@ Messages are pickled tuples over two ZeroMQ PUSH/PULL sockets on ipc:// addresse
     in:  ("add", [Request]) | ("abort", [request_id]) | ("release_kv", remote_request_id)
          | ("release_remote", kv_transfer_params) | ("shutdown",)
     out: ("ready", info) | ("error", message) | ("outputs", [EngineCoreOutput], stats)
-The loop blocks on its input only while it has nothing to do.
+The loop blocks on its input only while it has nothing to do; a KV transport thread that
+finishes a load or a remote read wakes it through a pipe, so a loaded request starts at once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 import traceback
@@ -26,8 +28,10 @@ from tandem.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 100  # nothing to do: wake up this often to report stats and expire leases
-REMOTE_POLL_MS = 2  # only waiting on remote KV or leases: poll the connector this often
+IDLE_POLL_MS = 100  # nothing to do: wake up this often to report stats
+# Only waiting on remote KV or holding leases: transfers that end wake the loop through the
+# pipe; this poll is what expires leases (their deadlines are seconds).
+REMOTE_POLL_MS = 10
 STATS_INTERVAL_S = 0.5
 
 
@@ -92,8 +96,12 @@ def run_engine_core(
         eos_token_ids=core.eos_token_ids,
     )
     outputs.send_pyobj(("ready", info))
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)  # a full pipe already holds a wake-up
+    core.connector.set_wakeup(lambda: _wake(wake_write))
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    poller.register(wake_read, zmq.POLLIN)
     last_stats = 0.0
     try:
         while True:
@@ -105,7 +113,12 @@ def run_engine_core(
             else:
                 timeout = IDLE_POLL_MS
             step_outputs = []
-            while poller.poll(timeout):
+            while events := dict(poller.poll(timeout)):
+                timeout = 0
+                if wake_read in events:
+                    os.read(wake_read, 4096)
+                if inputs not in events:
+                    continue
                 message = inputs.recv_pyobj()
                 kind = message[0]
                 if kind == "shutdown":
@@ -119,7 +132,6 @@ def run_engine_core(
                     core.connector.release(message[1])
                 elif kind == "release_remote":
                     core.connector.release_remote(message[1])
-                timeout = 0
             if core.has_work():
                 step_outputs.extend(core.step())
             now = time.monotonic()
@@ -129,3 +141,12 @@ def run_engine_core(
     finally:
         core.shutdown()
         context.destroy(linger=0)
+        os.close(wake_read)
+        os.close(wake_write)
+
+
+def _wake(fd: int) -> None:
+    try:
+        os.write(fd, b"\0")
+    except (BlockingIOError, OSError):  # full (a wake-up is pending) or closed at shutdown
+        pass

@@ -11,13 +11,15 @@ Worker side (called by the model runner around the forward pass):
     save_kv_layer(layer_index, kv_cache, metadata)   after each layer's KV is written
     wait_for_save(metadata)             after the forward pass
     get_finished() -> KVConnectorOutput loads done or failed, remote readers done
+    set_wakeup(callback)                called from a transport thread whenever get_finished
+                                        has something new, so an idle engine loop wakes at once
 
 `NoKVConnector` is the colocated engine's: it matches nothing and holds nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -61,6 +63,9 @@ class KVConnector:
         return None
 
     def get_finished(self) -> KVConnectorOutput | None:
+        return None
+
+    def set_wakeup(self, callback: Callable[[], None]) -> None:
         return None
 
     # both sides

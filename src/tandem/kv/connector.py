@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +116,7 @@ class PDConnector(KVConnector):
         )
         self.new_transfer_seconds: list[float] = []
         self.new_failures: dict[str, int] = {}
+        self.wakeup: Callable[[], None] = lambda: None
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ipc_handle: str | None = None
         self.remote_caches: dict[str, torch.Tensor] = {}  # cuda-ipc: engine id -> mapped cache
@@ -319,6 +320,7 @@ class PDConnector(KVConnector):
                 self.finished_recving.add(spec.request_id)
             else:
                 self.failed_recving[spec.request_id] = failure
+        self.wakeup()
 
     def _confirm_fetch(self, spec: LoadSpec, layers: list[torch.Tensor], on_layer=None) -> None:
         remote = spec.remote
@@ -415,6 +417,9 @@ class PDConnector(KVConnector):
 
     # -- both sides ------------------------------------------------------------------------------
 
+    def set_wakeup(self, callback: Callable[[], None]) -> None:
+        self.wakeup = callback
+
     def _on_transfer_done(self, request_id: str, ok: bool) -> None:
         """Transport thread: the decode confirmed (ok) or a fetch broke (not ok)."""
         if not ok:
@@ -428,6 +433,7 @@ class PDConnector(KVConnector):
             self.counters["kv_bytes_sent"] += lease.num_bytes
             self.counters["kv_blocks_sent"] += lease.num_blocks
             self.finished_sending.add(request_id)
+        self.wakeup()
 
     def _end_lease(self, request_id: str, report: bool) -> None:
         with self.lock:

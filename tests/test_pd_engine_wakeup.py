@@ -1,0 +1,69 @@
+"""Two engine cores in one process, a prefill and a decode one over the TCP transport: a KV
+transfer that ends calls the connector's wake-up from the transport thread, so the engine loop
+(which sleeps on its inputs while it only waits on remote KV) can run the loaded request at once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.core import EngineCore
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv.config import KVTransferConfig
+from tandem.kv.connector import connector_factory
+
+PROMPT = list(range(3, 43))  # 40 tokens: two whole blocks of 16 and a partial one
+
+
+def make_core(directory, role: str) -> EngineCore:
+    kv_config = KVTransferConfig(role=role)
+    return EngineCore(
+        EngineConfig(model=str(directory), num_kv_blocks=32), connector_factory(kv_config)
+    )
+
+
+def test_finished_transfers_wake_both_engine_loops(tiny_checkpoints):
+    directory = tiny_checkpoints["llama-gqa"]
+    prefill, decode = make_core(directory, "prefill"), make_core(directory, "decode")
+    woken = {"prefill": threading.Event(), "decode": threading.Event()}
+    prefill.connector.set_wakeup(woken["prefill"].set)
+    decode.connector.set_wakeup(woken["decode"].set)
+    try:
+        greedy_one = SamplingParams(temperature=0.0, max_tokens=1)
+        prefill.add_request(
+            Request("p", PROMPT, greedy_one, kv_transfer_params={"do_remote_decode": True})
+        )
+        outputs = []
+        while not outputs:
+            outputs = [o for o in prefill.step() if o.finish_reason is not None]
+        kv_transfer_params = outputs[0].kv_transfer_params
+        assert kv_transfer_params["do_remote_prefill"]
+        assert not woken["prefill"].is_set()  # the lease holds until the decode confirms
+
+        request = Request(
+            "d",
+            PROMPT,
+            SamplingParams(temperature=0.0, max_tokens=3),
+            kv_transfer_params=kv_transfer_params,
+        )
+        request.output_token_ids.append(kv_transfer_params["first_token_id"])
+        decode.add_request(request)
+        decode.step()  # schedules the request and starts its load in a transport thread
+        assert decode.scheduler.waiting_for_remote
+        assert woken["decode"].wait(10), "the finished load did not wake the decode loop"
+        assert woken["prefill"].wait(10), "the confirmation did not wake the prefill loop"
+
+        # Woken, each loop's next step sees the transfer's end without any further wait; the
+        # loaded request is then scheduled like a prefix-cache hit and decodes in the step after.
+        decode.step()
+        assert not decode.scheduler.waiting_for_remote
+        assert decode.scheduler.waiting
+        assert [o.request_id for o in decode.step()] == ["d"]
+        prefill.step()
+        assert not prefill.scheduler.held_for_remote
+        assert prefill.kv_manager.num_used_blocks == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
