@@ -15,6 +15,7 @@ import torch
 
 from tandem.attention.base import AttentionMetadata
 from tandem.engine.config import EngineConfig
+from tandem.engine.input_staging import InputStaging
 from tandem.engine.kv_cache_manager import slot_of
 from tandem.engine.outputs import RunnerOutput, SchedulerOutput
 from tandem.engine.sampler import Sampler
@@ -125,6 +126,7 @@ class ModelRunner:
         self.sampler = sampler
         self.connector = connector
         self.kv_cache = torch.zeros(kv_spec.shape, dtype=kv_spec.dtype, device=device)
+        self.input_staging = InputStaging(device)
         connector.register_kv_cache(self.kv_cache)
         self.decode_graphs = None
         if device.type == "cuda" and cuda_graph_max_batch > 0:
@@ -134,15 +136,10 @@ class ModelRunner:
                 model, self.kv_cache, cuda_graph_max_batch, max_seq_len, kv_spec.block_size
             )
 
-    def _to_device(self, values: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.as_tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
-
     def prepare(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, ...]:
         """Flat inputs for the step, built with plain ints and numpy (a decode row costs a few
-        microseconds of host time), then moved to the device in one go per tensor."""
+        microseconds of host time), then moved to the device in one copy per dtype. The last
+        tensor holds the rows whose logits are sampled."""
         block_size = self.kv_spec.block_size
         requests = scheduler_output.requests
         max_blocks = max(len(r.block_ids) for r in requests)
@@ -150,7 +147,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start_loc, seq_lens = [0], []
+        query_start_loc, seq_lens, sample_rows = [0], [], []
         for row, request in enumerate(requests):
             count = len(request.token_ids)
             start = request.start_position
@@ -167,20 +164,25 @@ class ModelRunner:
                 slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
             query_start_loc.append(query_start_loc[-1] + count)
             seq_lens.append(start + count)
+            if request.sample:
+                sample_rows.append(query_start_loc[-1] - 1)
+        uploaded = self.input_staging.upload(
+            {
+                torch.int64: (input_ids, positions, slots, sample_rows),
+                torch.int32: (query_start_loc, seq_lens, block_tables),
+            }
+        )
+        input_ids_gpu, positions_gpu, slots_gpu, sample_rows_gpu = uploaded[torch.int64]
+        query_start_loc_gpu, seq_lens_gpu, block_tables_gpu = uploaded[torch.int32]
         metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(torch.from_numpy(block_tables), torch.int32),
+            slot_mapping=slots_gpu,
+            query_start_loc=query_start_loc_gpu,
+            seq_lens=seq_lens_gpu,
+            block_tables=block_tables_gpu.view(len(requests), max_blocks),
             max_query_len=max(len(r.token_ids) for r in requests),
             max_seq_len=max(seq_lens),
         )
-        return (
-            self._to_device(input_ids, torch.int64),
-            self._to_device(positions, torch.int64),
-            metadata,
-            query_start_loc,
-        )
+        return input_ids_gpu, positions_gpu, metadata, sample_rows_gpu
 
     def _graph_can_run(self, scheduler_output: SchedulerOutput) -> bool:
         """A captured graph runs decode-only batches that fit it, when no layer-wise KV save has
@@ -196,7 +198,7 @@ class ModelRunner:
     def _forward_eager(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
         """Logits of the rows that sample (None when none does)."""
         connector_meta = scheduler_output.kv_connector_metadata
-        input_ids, positions, metadata, query_start_loc = self.prepare(scheduler_output)
+        input_ids, positions, metadata, sample_rows = self.prepare(scheduler_output)
         hidden = self.model(
             input_ids,
             positions,
@@ -204,11 +206,9 @@ class ModelRunner:
             metadata,
             after_layer=lambda index: self.connector.save_kv_layer(index, connector_meta),
         )
-        requests = scheduler_output.requests
-        rows = [query_start_loc[row + 1] - 1 for row, r in enumerate(requests) if r.sample]
-        if not rows:
+        if not sample_rows.numel():
             return None
-        return self.model.compute_logits(hidden[self._to_device(rows, torch.int64)])
+        return self.model.compute_logits(hidden[sample_rows])
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
