@@ -11,7 +11,9 @@ Sections (each prints its table; all results go into one JSON file):
   transfer   (4) a 10k-token Qwen3-0.6B KV over CUDA IPC (GPU0 -> GPU1), against the copy rate
   latency    (1) input 128 / 1024 / 8192, output 128, one request at a time: `both` on GPU 0
              against 1 prefill (GPU 0) + 1 decode (GPU 1) behind tandem's router; TTFT, time to
-             second token, TPOT; greedy output of PD identical to colocated
+             second token, TPOT; greedy output of PD identical to colocated; and the legs
+             timed direct from the client (no router), to split PD's extra time between the
+             router, the prefill worker's KV bookkeeping and the decode leg
 
 Random weights in real shapes (load_format dummy); timings after warm-up.
 """
@@ -371,6 +373,45 @@ def kv_transfer_seconds_total(client, url: str) -> float:
     )
 
 
+def direct_legs(client, urls: dict[str, str], prompt: list[int]) -> dict:
+    """The PD legs without the router, each timed from the client: `both` answering one token
+    (the colocated engine's path without KV bookkeeping), the prefill leg (one token and a KV
+    lease), then the decode leg streamed with that lease: its first chunk (the prefill's token,
+    sent on admission) and its second token (after the KV load and one step)."""
+    from tandem.router.proxy import PREFILL_KV_REQUEST
+
+    one_token = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
+    client.post(f"{urls['both']}/v1/completions", json=one_token).raise_for_status()
+    both_one_token = time.perf_counter() - start
+    prefill_body = dict(one_token, kv_transfer_params=dict(PREFILL_KV_REQUEST))
+    start = time.perf_counter()
+    answer = client.post(f"{urls['prefill']}/v1/completions", json=prefill_body).json()
+    prefill_leg = time.perf_counter() - start
+    decode_body = dict(
+        one_token,
+        max_tokens=2,
+        stream=True,
+        return_token_ids=True,
+        kv_transfer_params=answer["kv_transfer_params"],
+    )
+    times = []
+    start = time.perf_counter()
+    with client.stream("POST", f"{urls['decode']}/v1/completions", json=decode_body) as response:
+        for line in response.iter_lines():
+            now = time.perf_counter()
+            if line.startswith("data: {") and any(
+                c.get("text") or c.get("token_ids") for c in json.loads(line[6:]).get("choices", [])
+            ):
+                times.append(now)
+    return {
+        "both_one_token_ms": both_one_token * 1e3,
+        "prefill_leg_ms": prefill_leg * 1e3,
+        "decode_leg_first_chunk_ms": (times[0] - start) * 1e3,
+        "decode_leg_second_token_ms": (times[1] - start) * 1e3,
+    }
+
+
 LATENCY_REPEATS = 10  # measured requests per input length and path, after 2 warm-ups
 
 
@@ -391,8 +432,13 @@ def latency(limits: dict, log_dir: Path) -> dict:
         "decode": start_process(["worker", *common, "--port", "8303", "--device", "cuda:1",
                                  "--role", "decode", *ipc], log_dir / "decode.log"),
     }  # fmt: skip
-    urls = {"both": "http://127.0.0.1:8301", "pd": "http://127.0.0.1:8300"}
     decode_url = "http://127.0.0.1:8303"
+    urls = {
+        "both": "http://127.0.0.1:8301",
+        "pd": "http://127.0.0.1:8300",
+        "prefill": "http://127.0.0.1:8302",
+        "decode": decode_url,
+    }
     try:
         for name, port in (("both", 8301), ("prefill", 8302), ("decode", 8303)):
             wait_healthy(f"http://127.0.0.1:{port}", processes[name])
@@ -405,7 +451,7 @@ def latency(limits: dict, log_dir: Path) -> dict:
         results = {}
         with httpx.Client(timeout=300) as client:
             for num_input in (128, 1024, 8192):
-                runs: dict[str, list[dict]] = {"both": [], "pd": []}
+                runs: dict[str, list[dict]] = {"both": [], "pd": [], "legs": []}
                 for repeat in range(2 + LATENCY_REPEATS):
                     prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
                     order = ("both", "pd") if repeat % 2 else ("pd", "both")  # alternate
@@ -418,6 +464,10 @@ def latency(limits: dict, log_dir: Path) -> dict:
                             run["kv_transfer_ms"] = (after - before) * 1e3
                         if repeat >= 2:  # the first two are warm-ups
                             runs[name].append(run)
+                    prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
+                    legs = direct_legs(client, urls, prompt)
+                    if repeat >= 2:
+                        runs["legs"].append(legs)
                 row = {
                     name: {key: statistics.median(r[key] for r in measured) for key in measured[0]}
                     for name, measured in runs.items()
