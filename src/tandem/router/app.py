@@ -10,12 +10,12 @@ from the first request on; a registering worker joins once its own health check 
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -86,8 +86,8 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     async def read_json_object(request: Request) -> dict[str, Any] | Response:
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
+            body = msgspec.json.decode(await request.body())
+        except ValueError:  # msgspec.DecodeError, malformed UTF-8 included
             message = "the request body is not valid JSON"
             return error_response(400, message, "invalid_json", "invalid_request_error")
         if not isinstance(body, dict):

@@ -28,7 +28,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from tandem.router.config import Role, RouterConfig
 from tandem.router.metrics import RouterMetrics
@@ -261,7 +261,7 @@ class Proxy:
 
         Returns once a worker answered with a status that is not a refusal (its body unread).
         """
-        payload = json.dumps(body).encode()
+        payload = msgspec.json.encode(body)
         headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
         tried: list[str] = []
         failures: list[str] = []
@@ -451,7 +451,7 @@ class Proxy:
                 yield item
             return
         try:
-            answer = json.loads(data)
+            answer = msgspec.json.decode(data)
             first_choice = answer["choices"][0]
             kv_transfer_params = answer.get("kv_transfer_params")
         except (ValueError, KeyError, IndexError, TypeError):
@@ -471,7 +471,7 @@ class Proxy:
                     yield chunk
             else:
                 yield JSON_HEAD
-                yield json.dumps(answer).encode()
+                yield msgspec.json.encode(answer)
             return
 
         decode_body = dict(ctx.body, kv_transfer_params=kv_transfer_params)
@@ -622,7 +622,7 @@ class Proxy:
         ctx.outcome = "client_error" if status < 500 else "upstream_error"
         try:
             detail = (await self._read_leg(leg)).decode(errors="replace")
-            message = json.loads(detail)["error"]["message"]
+            message = msgspec.json.decode(detail)["error"]["message"]
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
             message = f"the decode worker {leg.worker.url} answered {status}"
         return error_event(message, str(status))
@@ -637,7 +637,7 @@ class Proxy:
                 yield b"data: [DONE]\n\n"
                 await leg.response.read()  # drained to the end, so the connection can be reused
                 return
-            chunk = json.loads(payload)
+            chunk = msgspec.json.decode(payload)
             if "error" in chunk:
                 ctx.outcome = "upstream_error"
                 yield b"data: " + payload + b"\n\n"

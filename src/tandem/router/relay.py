@@ -10,11 +10,11 @@ is waiting (prefill leg, decode leg, between the two), and the flow's cleanup ab
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -41,17 +41,17 @@ SSE_HEAD = ResponseHead(200, "text/event-stream; charset=utf-8", SSE_HEADERS)
 def error_body(message: str, error_type: str, code: str, param: str | None = None) -> bytes:
     """An OpenAI error object."""
     error = {"message": message, "type": error_type, "param": param, "code": code}
-    return json.dumps({"error": error}).encode()
+    return msgspec.json.encode({"error": error})
 
 
 def error_event(message: str, code: str) -> bytes:
     """The SSE events that end a stream which failed after its first byte."""
     error = {"message": message, "type": "server_error", "param": None, "code": code}
-    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n" + DONE_EVENT
+    return b"data: " + msgspec.json.encode({"error": error}) + b"\n\n" + DONE_EVENT
 
 
 def sse_event(chunk: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
 
 async def iter_sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
