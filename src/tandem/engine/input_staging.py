@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
+ALIGNMENT = 16  # bytes
 
 
 class InputStaging:
@@ -27,25 +28,40 @@ class InputStaging:
     def upload(
         self, parts: dict[torch.dtype, Sequence[Sequence[int] | np.ndarray]]
     ) -> dict[torch.dtype, list[torch.Tensor]]:
-        """The given arrays on the device, as flat tensors of their dtype (reshape as needed)."""
+        """The given arrays on the device, as flat tensors of their dtype (reshape as needed),
+        each starting on a 16-byte boundary."""
         if self.buffers_free is not None:
             self.buffers_free.synchronize()
         uploaded = {}
         for dtype, arrays in parts.items():
             flat_arrays = [np.asarray(a, dtype=NUMPY_DTYPES[dtype]).ravel() for a in arrays]
-            sizes = [a.size for a in flat_arrays]
-            total = sum(sizes)
-            if not self.pinned:
-                flat = torch.from_numpy(np.concatenate(flat_arrays))
-            else:
+            # Each part starts on a 16-byte boundary: Triton specializes a kernel on whether its
+            # pointers are 16-byte aligned, and an offset that changed from step to step would
+            # compile new variants of the kernels that read these inputs.
+            per_line = ALIGNMENT // np.dtype(NUMPY_DTYPES[dtype]).itemsize
+            offsets, total = [], 0
+            for array in flat_arrays:
+                offsets.append(total)
+                total += -(-array.size // per_line) * per_line
+            if self.pinned:
                 buffer = self.buffers.get(dtype)
                 if buffer is None or buffer.numel() < total:
                     size = max(total, 2 * buffer.numel() if buffer is not None else 4096)
                     buffer = torch.empty(size, dtype=dtype, pin_memory=True)
                     self.buffers[dtype] = buffer
-                np.concatenate(flat_arrays, out=buffer.numpy()[:total])
+                host = buffer.numpy()
+            else:
+                host = np.empty(total, dtype=NUMPY_DTYPES[dtype])
+            for offset, array in zip(offsets, flat_arrays, strict=True):
+                host[offset : offset + array.size] = array
+            if self.pinned:
                 flat = buffer[:total].to(self.device, non_blocking=True)
-            uploaded[dtype] = list(flat.split(sizes))
+            else:
+                flat = torch.from_numpy(host)
+            uploaded[dtype] = [
+                flat[offset : offset + array.size]
+                for offset, array in zip(offsets, flat_arrays, strict=True)
+            ]
         if self.buffers_free is not None:
             self.buffers_free.record()
         return uploaded
