@@ -412,7 +412,7 @@ def direct_legs(client, urls: dict[str, str], prompt: list[int]) -> dict:
     }
 
 
-LATENCY_REPEATS = 10  # measured requests per input length and path, after 2 warm-ups
+LATENCY_REPEATS = 30  # measured requests per input length and path, after 2 warm-ups
 
 
 def latency(limits: dict, log_dir: Path) -> dict:
@@ -478,6 +478,7 @@ def latency(limits: dict, log_dir: Path) -> dict:
                     for pd, both in zip(runs["pd"], runs["both"], strict=True)
                 ]  # each pair ran back to back on the same prompt
                 row["ttft_ratio_min_max"] = [min(ratios), max(ratios)]
+                row["ttft_ratio_median_of_pairs"] = statistics.median(ratios)
                 row["ttst_pd_minus_both_ms"] = row["pd"]["ttst_ms"] - row["both"]["ttst_ms"]
                 prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
                 colocated = greedy_token_ids(client, urls["both"], prompt, 64)

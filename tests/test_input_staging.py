@@ -32,7 +32,7 @@ def test_parts_arrive_whole_and_aligned_on_cpu():
 
 @pytest.mark.cuda
 def test_parts_arrive_whole_and_aligned_on_cuda():
-    staging = InputStaging(torch.device("cuda"))
+    staging = InputStaging(torch.device("cuda", 0))
     for step in range(3):
         check_upload(staging, step)
     first_buffer = staging.buffers[torch.int64]

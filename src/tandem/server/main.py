@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -59,6 +60,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             logger.error("the engine could not start: %s", exc)
             raise
         started["ok"] = True
+        gc.collect()  # start-up's objects (the tokenizer's above all) stay: out of the GC's walk
+        gc.freeze()
         heartbeat = None
         if args.router:
             from tandem.router.registration import HeartbeatSender
