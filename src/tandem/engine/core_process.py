@@ -154,5 +154,5 @@ def run_engine_core(
 def _wake(fd: int) -> None:
     try:
         os.write(fd, b"\0")
-    except (BlockingIOError, OSError):  # full (a wake-up is pending) or closed at shutdown
+    except OSError:  # the pipe is full (a wake-up is pending) or closed at shutdown
         pass
