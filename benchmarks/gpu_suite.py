@@ -322,19 +322,9 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> N
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def stream_once(client, url: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion: TTFT, time to second token and TPOT, from the arrival times of
-    the chunks that carry a token (its text or its id). The client is created once, outside the
-    timing (building an HTTP client costs tens of milliseconds)."""
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-    }
+def token_chunk_times(client, url: str, body: dict) -> tuple[float, list[float], int]:
+    """Streams a completion: when it was sent, the arrival times of the chunks that carry a
+    token (its text or its id), and the completion tokens the usage chunk counts (0 if none)."""
     times, num_tokens = [], 0
     start = time.perf_counter()
     with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
@@ -347,6 +337,22 @@ def stream_once(client, url: str, prompt: list[int], max_tokens: int) -> dict:
                 num_tokens = chunk["usage"]["completion_tokens"]
             if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices", [])):
                 times.append(now)
+    return start, times, num_tokens
+
+
+def stream_once(client, url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: TTFT, time to second token and TPOT. The client is created
+    once, outside the timing (building an HTTP client costs tens of milliseconds)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    start, times, num_tokens = token_chunk_times(client, url, body)
     return {
         "ttft_ms": (times[0] - start) * 1e3,
         "ttst_ms": (times[1] - start) * 1e3,
@@ -378,15 +384,16 @@ def direct_legs(client, urls: dict[str, str], prompt: list[int]) -> dict:
     (the colocated engine's path without KV bookkeeping), the prefill leg (one token and a KV
     lease), then the decode leg streamed with that lease: its first chunk (the prefill's token,
     sent on admission) and its second token (after the KV load and one step)."""
-    from tandem.router.proxy import PREFILL_KV_REQUEST
+    from tandem.router.proxy import prefill_leg_body
 
     one_token = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()
     client.post(f"{urls['both']}/v1/completions", json=one_token).raise_for_status()
     both_one_token = time.perf_counter() - start
-    prefill_body = dict(one_token, kv_transfer_params=dict(PREFILL_KV_REQUEST))
     start = time.perf_counter()
-    answer = client.post(f"{urls['prefill']}/v1/completions", json=prefill_body).json()
+    answer = client.post(
+        f"{urls['prefill']}/v1/completions", json=prefill_leg_body(one_token)
+    ).json()
     prefill_leg = time.perf_counter() - start
     decode_body = dict(
         one_token,
@@ -395,15 +402,7 @@ def direct_legs(client, urls: dict[str, str], prompt: list[int]) -> dict:
         return_token_ids=True,
         kv_transfer_params=answer["kv_transfer_params"],
     )
-    times = []
-    start = time.perf_counter()
-    with client.stream("POST", f"{urls['decode']}/v1/completions", json=decode_body) as response:
-        for line in response.iter_lines():
-            now = time.perf_counter()
-            if line.startswith("data: {") and any(
-                c.get("text") or c.get("token_ids") for c in json.loads(line[6:]).get("choices", [])
-            ):
-                times.append(now)
+    start, times, _ = token_chunk_times(client, urls["decode"], decode_body)
     return {
         "both_one_token_ms": both_one_token * 1e3,
         "prefill_leg_ms": prefill_leg * 1e3,
