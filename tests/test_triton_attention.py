@@ -30,8 +30,9 @@ import pytest
 import torch
 
 from tandem.attention.base import AttentionMetadata, get_backend
-from tandem.attention.torch_backend import TorchAttentionBackend, store_kv
+from tandem.attention.torch_backend import TorchAttentionBackend
 
+store_kv = TorchAttentionBackend().store_kv  # the reference cache store
 SRC_DIR = Path(__file__).resolve().parents[1] / "src"
 FP32_TOLERANCE = 1e-4  # interpreter dots are exact fp32 products: observed errors are ~1e-7
 HALF_TOLERANCE = 1e-2  # interpreter cases in float16 / bfloat16 against the same-dtype reference
@@ -174,6 +175,7 @@ def run_interpreter_case(case: Case, seed: int) -> dict:
     backend = TritonAttentionBackend(TritonAttentionConfig(**dict(case.config)))
     scale = case.head_dim**-0.5
     out = backend.forward(q, k, v, k_cache, v_cache, metadata, scale)
+    again = backend.attend(q, k_cache, v_cache, metadata, scale)
     exact = replace(metadata, max_seq_len=int(metadata.seq_lens.max()))  # the reference's bound
     ref = TorchAttentionBackend().forward(q, k, v, ref_k_cache, ref_v_cache, exact, scale)
     whole, rows = relative_errors(out, ref)
@@ -185,27 +187,20 @@ def run_interpreter_case(case: Case, seed: int) -> dict:
         "k_cache_equal": torch.equal(k_cache.nan_to_num(), ref_k_cache.nan_to_num()),
         "v_cache_equal": torch.equal(v_cache.nan_to_num(), ref_v_cache.nan_to_num()),
         "decode_splits": splits if metadata.is_decode_only else 0,
+        "repeatable": split_counters_reset(backend, q.device) and torch.equal(out, again),
     }
 
 
-def _patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a loaded scalar into a Python int with `int(array)`, which
-    NumPy >= 2.4 refuses for a 1-element array (triton-lang/triton#9171, fixed upstream); take the
-    element instead. Applies only inside the interpreter subprocess."""
-    import triton.runtime.interpreter as interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_with_scalar_index(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
+def split_counters_reset(backend, device) -> bool:
+    """The decode kernel's split counters are all back at 0 (the next launch counts from 0)."""
+    return not bool(backend._split_counters(0, device).any())
 
 
 def _run_interpreter_cases() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    _patch_interpreter_index()
+    from triton_interpreter import patch_interpreter_index
+
+    patch_interpreter_index()
     cases = enumerate(INTERPRETER_CASES.items())
     results = {name: run_interpreter_case(case, seed) for seed, (name, case) in cases}
     print(json.dumps(results))
@@ -235,6 +230,7 @@ def test_interpreter_matches_torch_reference(interpreter_results: dict, name: st
     assert result["error"] < tolerance, result
     assert result["row_error"] < 10 * tolerance, result
     assert result["k_cache_equal"] and result["v_cache_equal"], result
+    assert result["repeatable"], result
 
 
 def test_interpreter_cases_cover_split_and_single_split_decode(interpreter_results: dict) -> None:
@@ -335,6 +331,8 @@ def check_on_cuda(case: Case, seed: int = 0, **config: int) -> int:
     assert rows < (100 * FP32_TOLERANCE if exact else BF16_ROW_TOLERANCE), (whole, rows)
     assert torch.equal(k_cache.nan_to_num(), ref_k_cache.nan_to_num())
     assert torch.equal(v_cache.nan_to_num(), ref_v_cache.nan_to_num())
+    assert torch.equal(backend.attend(q, k_cache, v_cache, metadata, scale), out)
+    assert split_counters_reset(backend, q.device)
     return backend.num_decode_splits(metadata, case.num_kv_heads, q.device)
 
 

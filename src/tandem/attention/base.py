@@ -13,9 +13,10 @@ A backend computes attention for one flattened batch of query tokens against the
         context token p of sequence b lives in slot
             block_tables[b, p // block_size] * block_size + p % block_size
 
-A backend first writes the new tokens' k/v into the cache at `slot_mapping` (a slot of -1 means
-"do not store"), then attends. Backends register by name; `get_backend(name)` imports lazily so an
-optional dependency (triton) loads only when chosen.
+`forward` first writes the new tokens' k/v into the cache at `slot_mapping` (a slot of -1 means
+"do not store"), then attends; a caller that stored them itself (a fused kernel) calls `attend`.
+Backends register by name; `get_backend(name)` imports lazily so an optional dependency (triton)
+loads only when chosen.
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ class AttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        self.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend(q, k_cache, v_cache, metadata, scale)
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write token t's k/v into the cache at slot_mapping[t]; slots of -1 are skipped."""
+        raise NotImplementedError
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of q over the contexts already in the cache (the new tokens' k/v stored)."""
         raise NotImplementedError
 
 

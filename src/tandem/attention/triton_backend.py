@@ -1,11 +1,11 @@
 """The Triton attention backend: paged-KV flash attention for prefill and split-K decode.
 
-`forward` stores the new k/v at `slot_mapping`, then launches one of two paths:
+`forward` stores the new k/v at `slot_mapping` (`store_kv`), then `attend` launches one of two
+paths:
 
 * decode-only batches (`metadata.is_decode_only`): `decode_attention_kernel` over
-  (sequence, kv head, split), each split an even share of that context in whole key tiles,
-  then `reduce_splits_kernel` combines the splits by log-sum-exp (skipped when there is one
-  split);
+  (sequence, kv head, split), each split an even share of that context in whole key tiles; the
+  last split of a context to finish combines the splits by log-sum-exp (one launch in all);
 * anything else (prefill chunks, prefix hits, mixed prefill + decode): `prefill_attention_kernel`
   over (query tile, sequence, kv head), which handles query_len 1 as well.
 
@@ -29,7 +29,6 @@ from tandem.attention.base import AttentionBackend, AttentionMetadata
 from tandem.attention.triton_kernels import (
     decode_attention_kernel,
     prefill_attention_kernel,
-    reduce_splits_kernel,
     store_kv_kernel,
 )
 
@@ -89,6 +88,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, config: TritonAttentionConfig | None = None) -> None:
         self.config = config or TritonAttentionConfig()
+        self._counters: dict[torch.device, torch.Tensor] = {}
+        self._every_counter_buffer: list[torch.Tensor] = []
 
     def forward(
         self,
@@ -100,9 +101,19 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        _check_shapes(q, k_cache, v_cache)  # before the store touches the cache
+        return super().forward(q, k, v, k_cache, v_cache, metadata, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         _check_shapes(q, k_cache, v_cache)
-        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-        self.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        q = _last_dim_contiguous(q)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if q.shape[0] == 0:
             return out
@@ -120,7 +131,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Write token t's k/v into the cache at slot_mapping[t]; slots of -1 are skipped."""
+        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
         num_tokens = k.shape[0]
         if num_tokens == 0:
             return
@@ -224,6 +235,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
         else:
             partial_out = partial_lse = out  # not touched when there is one split
+        split_counters = self._split_counters(num_seqs * num_kv_heads, q.device)
         decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
             q,
             k_cache,
@@ -231,6 +243,7 @@ class TritonAttentionBackend(AttentionBackend):
             out,
             partial_out,
             partial_lse,
+            split_counters,
             metadata.block_tables,
             metadata.query_start_loc,
             metadata.seq_lens,
@@ -245,6 +258,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.block_tables.stride(0),
             NUM_HEADS=num_heads,
             NUM_SPLITS=num_splits,
+            SPLITS_POW2=triton.next_power_of_2(num_splits),
             GROUP=group,
             BLOCK_H=max(triton.next_power_of_2(group), _MIN_DOT_ROWS),
             HEAD_DIM=head_dim,
@@ -254,22 +268,16 @@ class TritonAttentionBackend(AttentionBackend):
             num_warps=cfg.decode_num_warps or 4,
             num_stages=cfg.decode_num_stages or 3,
         )
-        if num_splits > 1:
-            reduce_splits_kernel[(num_seqs, num_heads)](
-                out,
-                partial_out,
-                partial_lse,
-                metadata.query_start_loc,
-                metadata.seq_lens,
-                out.stride(0),
-                out.stride(1),
-                NUM_HEADS=num_heads,
-                NUM_SPLITS=num_splits,
-                SPLITS_POW2=triton.next_power_of_2(num_splits),
-                HEAD_DIM=head_dim,
-                BLOCK_N=block_n,
-                num_warps=4,
-            )
+
+    def _split_counters(self, size: int, device: torch.device) -> torch.Tensor:
+        """Zeroed int32 counters the decode kernel leaves at zero. CUDA graphs keep the address
+        they captured, so a buffer that is outgrown is kept alive, never freed."""
+        counters = self._counters.get(device)
+        if counters is None or counters.numel() < size:
+            counters = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+            self._counters[device] = counters
+            self._every_counter_buffer.append(counters)
+        return counters
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -3,9 +3,8 @@
     store_kv_kernel           grid (T,): copy token t's k/v rows to slot_mapping[t]; slot -1 skips
     prefill_attention_kernel  grid (query tiles, B, kv_heads): flash attention, causal with offset
     decode_attention_kernel   grid (B, kv_heads, splits): one split of the context (split-K),
-                              writing a partial output and its log-sum-exp (or, with one split,
-                              the output itself)
-    reduce_splits_kernel      grid (B, heads): combine the splits of one head by their log-sum-exp
+                              writing a partial output and its log-sum-exp; the last split of a
+                              context to finish combines them by log-sum-exp into the output
 
 GQA: a program owns one kv head and the `GROUP = heads / kv_heads` query heads that read it, so
 each K/V tile is loaded once per group. The rows of a program's query tile are (token, head) pairs:
@@ -230,6 +229,7 @@ def decode_attention_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    split_counters_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -244,6 +244,7 @@ def decode_attention_kernel(
     stride_block_tables_seq,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -255,7 +256,12 @@ def decode_attention_kernel(
     partial_lse [B, NUM_HEADS, NUM_SPLITS] (base 2). Splits past the context write nothing.
 
     Each context is cut by its own length (`_keys_per_split`), so a short context in a launch
-    shaped for long ones still spreads over several programs."""
+    shaped for long ones still spreads over several programs. The last split of a (sequence, kv
+    head) to finish combines the partials into the output: each split counts itself in
+    split_counters[seq * kv_heads + kv_head] (release: its partials are written first), and the
+    program that brings the count to the number of used splits (acquire) reads them all, in split
+    order, and sets the counter back to 0 for the next launch. A context that fits one split
+    writes its output directly."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -300,58 +306,46 @@ def decode_attention_kernel(
         )  # fmt: skip
 
     out = acc / row_sum[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + (token * stride_out_token + head * stride_out_head)[:, None] + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
-        )
+    num_used_splits = tl.cdiv(seq_len, keys_per_split)
+    out_ptrs = (
+        out_ptr + (token * stride_out_token + head * stride_out_head)[:, None] + dims[None, :]
+    )
+    if NUM_SPLITS == 1:  # decided at compile time: no combining code in this variant
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    elif num_used_splits == 1:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        partial_row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        partial_rows = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
         tl.store(
-            partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :],
+            partial_out_ptr + (partial_rows + split)[:, None] * HEAD_DIM + dims[None, :],
             out,
             mask=row_valid[:, None],
         )
-        tl.store(partial_lse_ptr + partial_row, row_max + tl.log2(row_sum), mask=row_valid)
-
-
-@triton.jit
-def reduce_splits_kernel(
-    out_ptr,
-    partial_out_ptr,
-    partial_lse_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    stride_out_token,
-    stride_out_head,
-    NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    token = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == token:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    num_used_splits = tl.cdiv(seq_len, _keys_per_split(seq_len, NUM_SPLITS, BLOCK_N))
-    splits = tl.arange(0, SPLITS_POW2)
-    split_used = splits < num_used_splits
-    dims = tl.arange(0, HEAD_DIM)
-    partial_row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
-    lse = tl.load(partial_lse_ptr + partial_row, mask=split_used, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    weight = weight / tl.sum(weight, 0)
-    partial = tl.load(
-        partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_used[:, None],
-        other=0.0,
-    )
-    out = tl.sum(partial * weight[:, None], 0)
-    tl.store(
-        out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + dims,
-        out.to(out_ptr.dtype.element_ty),
-    )
+        tl.store(partial_lse_ptr + partial_rows + split, row_max + tl.log2(row_sum), mask=row_valid)
+        tl.debug_barrier()  # every thread's partials are written before the counter's release
+        counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_used_splits - 1:
+            tl.atomic_xchg(counter, 0)
+            splits = tl.arange(0, SPLITS_POW2)
+            lse = tl.load(
+                partial_lse_ptr + partial_rows[:, None] + splits[None, :],
+                mask=row_valid[:, None] & (splits < num_used_splits)[None, :],
+                other=float("-inf"),
+                cache_modifier=".cg",  # written by other programs: not from this SM's L1
+            )  # [BLOCK_H, SPLITS_POW2]
+            lse_max = tl.max(lse, 1)
+            weight_sum = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
+            acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+            for used in range(0, num_used_splits):
+                used_rows = partial_rows + used
+                split_lse = tl.load(partial_lse_ptr + used_rows, mask=row_valid, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+                partial = tl.load(
+                    partial_out_ptr + used_rows[:, None] * HEAD_DIM + dims[None, :],
+                    mask=row_valid[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                acc += partial * tl.exp2(split_lse - lse_max)[:, None]
+            out = acc / weight_sum[:, None]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
