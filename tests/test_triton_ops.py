@@ -19,8 +19,10 @@ CHECK = textwrap.dedent(
     import torch
     from tandem.models import triton_ops as T
     from tandem.models.config import ModelConfig
+    from tandem.attention.torch_backend import TorchAttentionBackend
     from tandem.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
 
+    @torch.inference_mode()
     def run(device, dtype, atol):
         torch.manual_seed(0)
         x = torch.randn(7, 96, device=device, dtype=dtype)
@@ -39,11 +41,35 @@ CHECK = textwrap.dedent(
             num_attention_heads=6, num_key_value_heads=2, rope_theta=10000.0))
         rotary = RotaryEmbedding(config).to(device)
         positions = torch.tensor([0, 1, 5, 17, 100, 1000, 4095], device=device)
-        qkv = torch.randn(7, (6 + 2 + 2) * 16, device=device, dtype=dtype)
-        q = qkv[:, :96].reshape(7, 6, 16)  # a strided view, as in the model
-        expected = apply_rotary(q.clone(), *rotary.cos_sin(positions))
-        T.rotary_(q, positions, rotary.inv_freq)
-        torch.testing.assert_close(qkv[:, :96].reshape(7, 6, 16), expected, atol=atol, rtol=atol)
+        slots = torch.tensor([3, 0, -1, 9, 14, 4, 7], device=device)  # -1: not stored
+        q_norm, k_norm = RMSNorm(16, 1e-6).to(device, dtype), RMSNorm(16, 1e-6).to(device, dtype)
+        q_norm.weight.data.normal_()
+        k_norm.weight.data.normal_()
+        for with_norm in (False, True):
+            qkv = torch.randn(7, (6 + 2 + 2) * 16, device=device, dtype=dtype)
+            q, k, v = (part.reshape(7, -1, 16) for part in qkv.split([96, 32, 32], dim=-1))
+            if with_norm:
+                q, k = q_norm(q), k_norm(k)
+            cos_sin = rotary.cos_sin(positions)
+            expected_q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+            caches = torch.randn(2, 4, 4, 2, 16, device=device, dtype=dtype)  # 4 blocks of 4
+            expected_caches = caches.clone()
+            TorchAttentionBackend().store_kv(k, v, expected_caches[0], expected_caches[1], slots)
+            norm = (q_norm.weight, k_norm.weight, 1e-6) if with_norm else None
+            out = T.qk_norm_rotary_store(
+                qkv, 6, 2, positions, rotary.inv_freq, norm, caches[0], caches[1], slots)
+            torch.testing.assert_close(out, expected_q, atol=atol, rtol=atol)
+            assert out.data_ptr() == qkv.data_ptr()  # rotated in place
+            torch.testing.assert_close(caches, expected_caches, atol=atol, rtol=atol)
+
+        for rows, n, k, bias in ((1, 64, 512, False), (3, 50, 300, True), (4, 36, 2048, True)):
+            x = torch.randn(rows, k, device=device, dtype=dtype)
+            weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+            b = torch.randn(n, device=device, dtype=dtype) if bias else None
+            expected = torch.nn.functional.linear(x.float(), weight.float(),
+                                                  None if b is None else b.float()).to(dtype)
+            torch.testing.assert_close(T.small_batch_linear(x, weight, b), expected,
+                                       atol=atol, rtol=atol)
 
         gate_up = torch.randn(7, 2 * 3000, device=device, dtype=dtype)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -55,8 +81,15 @@ CHECK = textwrap.dedent(
 
 def test_fused_kernels_match_torch_in_the_interpreter():
     source = Path(__file__).resolve().parent.parent / "src"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(source))
-    script = CHECK + "\nrun('cpu', torch.float32, 1e-5)\n"
+    tests = Path(__file__).resolve().parent
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(source), str(tests)])
+    )
+    script = (
+        "from triton_interpreter import patch_interpreter_index\npatch_interpreter_index()\n"
+        + CHECK
+        + "\nrun('cpu', torch.float32, 1e-5)\n"
+    )
     result = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )

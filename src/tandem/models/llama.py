@@ -94,13 +94,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def linear(x: torch.Tensor, layer: nn.Linear, fused: bool) -> torch.Tensor:
+    """layer(x); with the fused kernels, a row or a few (decode) may take the matrix-vector
+    kernel, where it is the faster one."""
+    if (
+        fused
+        and x.dtype != torch.float32
+        and triton_ops.prefers_small_batch_linear(x.shape[0], *layer.weight.shape)
+    ):
+        return triton_ops.small_batch_linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
 @dataclass
 class ForwardContext:
     """What every layer of one forward pass shares."""
 
     positions: torch.Tensor
     metadata: AttentionMetadata
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # unfused rotary only
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # unfused path only
 
 
 class Attention(nn.Module):
@@ -119,6 +131,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused)
         self.qk_norm = config.qk_norm
+        self.fused = fused
         self.backend = backend
         self.scale = config.head_dim**-0.5
 
@@ -130,25 +143,27 @@ class Attention(nn.Module):
         context: ForwardContext,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if context.cos_sin is None and not self.qk_norm:  # q and k side by side: one launch
-            qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (-1, self.head_dim))
-            triton_ops.rotary_(qk, context.positions, rotary.inv_freq)
-        elif context.cos_sin is None:
-            triton_ops.rotary_(q, context.positions, rotary.inv_freq)
-            triton_ops.rotary_(k, context.positions, rotary.inv_freq)
+        qkv = linear(hidden, self.qkv_proj, self.fused)
+        k_cache, v_cache = layer_cache[0], layer_cache[1]
+        if self.fused:  # q/k norms, rotary and the K/V store in one kernel
+            qk_norm = None
+            if self.qk_norm:
+                qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q = triton_ops.qk_norm_rotary_store(
+                qkv, self.num_heads, self.num_kv_heads, context.positions, rotary.inv_freq,
+                qk_norm, k_cache, v_cache, context.metadata.slot_mapping,
+            )  # fmt: skip
+            out = self.backend.attend(q, k_cache, v_cache, context.metadata, self.scale)
         else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, *context.cos_sin), apply_rotary(k, *context.cos_sin)
-        out = self.backend.forward(
-            q, k, v, layer_cache[0], layer_cache[1], context.metadata, self.scale
-        )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+            out = self.backend.forward(q, k, v, k_cache, v_cache, context.metadata, self.scale)
+        return linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.fused)
 
 
 class MLP(nn.Module):
@@ -160,9 +175,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = linear(x, self.gate_up_proj, self.fused)
         if self.fused:
-            return self.down_proj(triton_ops.silu_and_mul(gate_up))
+            return linear(triton_ops.silu_and_mul(gate_up), self.down_proj, self.fused)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -239,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head, self.fused_ops).float()
 
     def _shard_sizes(self, packed: str) -> list[int]:
         c = self.config
