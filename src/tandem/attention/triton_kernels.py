@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tandem.pdl import wait_for_previous
+
 
 @triton.jit
 def store_kv_kernel(
@@ -251,6 +253,7 @@ def decode_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Partials: partial_out [B, NUM_HEADS, NUM_SPLITS, HEAD_DIM] (normalised within the split),
     partial_lse [B, NUM_HEADS, NUM_SPLITS] (base 2). Splits past the context write nothing.
@@ -262,6 +265,7 @@ def decode_attention_kernel(
     program that brings the count to the number of used splits (acquire) reads them all, in split
     order, and sets the counter back to 0 for the next launch. A context that fits one split
     writes its output directly."""
+    wait_for_previous(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.pdl import uses_pdl, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -37,7 +39,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -63,6 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows.shape[0],)](
             rows, rows, weight, out, rows.stride(0), 0, out.stride(0), shape[-1], eps,
             HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(shape[-1]),
+            USE_PDL=uses_pdl(x.device), launch_pdl=uses_pdl(x.device),
         )  # fmt: skip
     return out.reshape(shape)
 
@@ -76,12 +81,16 @@ def add_rms_norm(
         _rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
             x.shape[-1], eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(x.shape[-1]),
+            USE_PDL=uses_pdl(x.device), launch_pdl=uses_pdl(x.device),
         )  # fmt: skip
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, width, in_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    gate_up_ptr, out_ptr, width, in_stride, out_stride, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -99,7 +108,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if num_rows:
         _silu_and_mul_kernel[(num_rows, triton.cdiv(width, block))](
-            gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=block
+            gate_up,
+            out,
+            width,
+            gate_up.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            USE_PDL=uses_pdl(gate_up.device),
+            launch_pdl=uses_pdl(gate_up.device),
         )
     return out
 
@@ -143,7 +159,9 @@ def _qk_norm_rotary_store_kernel(
     HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QK_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.float32)
     half = tl.arange(0, HALF)
@@ -216,6 +234,7 @@ def qk_norm_rotary_store(
             HEADS_POW2=triton.next_power_of_2(num_heads),
             KV_HEADS_POW2=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2,
             BLOCK_SIZE=k_cache.shape[1], QK_NORM=qk_norm is not None,
+            USE_PDL=uses_pdl(qkv.device), launch_pdl=uses_pdl(qkv.device),
         )  # fmt: skip
     return qkv[:, : num_heads * head_dim].unflatten(-1, (num_heads, head_dim))
 
@@ -245,9 +264,11 @@ def _small_batch_linear_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program p: outputs p * BLOCK_N ... + BLOCK_N of every row; each weight row is read once
     and multiplied into all rows, products summed in fp32 along K at the end."""
+    wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, ROWS)
@@ -289,6 +310,7 @@ def small_batch_linear(
         x, weight, bias if bias is not None else weight, out, num_rows, n, k,
         x.stride(0), out.stride(0), ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN=n % block_n == 0 and k % block_k == 0, HAS_BIAS=bias is not None,
+        USE_PDL=uses_pdl(x.device), launch_pdl=uses_pdl(x.device),
         num_warps=4, num_stages=1 if num_rows == 1 else 3,
     )  # fmt: skip
     return out
