@@ -1,8 +1,8 @@
 """CUDA graphs of the decode forward pass and its logits, one per batch size of a ladder.
 
 A decode step launches a few hundred small kernels; replaying a captured graph launches them as
-one. Graphs read their inputs from static device buffers, which a step fills with two copies from
-pinned host buffers of the same layout (no per-step allocation, pinning or small copy kernels),
+one. Graphs read their inputs from a static device buffer, which a step fills with one copy from
+a pinned host buffer of the same layout (no per-step allocation, pinning or small copy kernels),
 padding the batch up to the next captured size:
 
     rows  0 .. n-1        the real requests
@@ -10,6 +10,7 @@ padding the batch up to the next captured size:
 
     token inputs (int64)       [input_ids | positions | slot_mapping], max_batch each
     sequence inputs (int32)    [seq_lens (max_batch) | block_tables (max_batch x max_blocks)]
+    (both in one byte buffer, the int32 part after the int64 one)
 
 Graphs are captured with max_seq_len = the model's context length, so the attention kernels'
 launch shapes cover every real context. The graph ends with the logits ([size, vocab], float32).
@@ -53,16 +54,19 @@ class DecodeGraphs:
         self.max_blocks = cdiv(max_seq_len, block_size)
         self.sizes = batch_size_ladder(max_batch)
 
-        self.token_inputs = torch.zeros(3 * max_batch, dtype=torch.int64, device=device)
-        self.seq_inputs = torch.zeros(
-            max_batch * (1 + self.max_blocks), dtype=torch.int32, device=device
-        )
-        self.token_staging = torch.zeros_like(self.token_inputs, device="cpu").pin_memory()
-        self.seq_staging = torch.zeros_like(self.seq_inputs, device="cpu").pin_memory()
-        tokens = self.token_staging.numpy().reshape(3, max_batch)
+        # One byte buffer on each side, so a step's inputs go up in one copy.
+        self.token_bytes = 3 * max_batch * 8
+        num_bytes = self.token_bytes + max_batch * (1 + self.max_blocks) * 4
+        self.inputs = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        self.staging = torch.zeros(num_bytes, dtype=torch.uint8).pin_memory()
+        self.token_inputs = self.inputs[: self.token_bytes].view(torch.int64)
+        self.seq_inputs = self.inputs[self.token_bytes :].view(torch.int32)
+        staged_tokens = self.staging[: self.token_bytes].view(torch.int64).numpy()
+        staged_seqs = self.staging[self.token_bytes :].view(torch.int32).numpy()
+        tokens = staged_tokens.reshape(3, max_batch)
         self.staged_ids, self.staged_positions, self.staged_slots = tokens
-        self.staged_seq_lens = self.seq_staging.numpy()[:max_batch]
-        self.staged_block_tables = self.seq_staging.numpy()[max_batch:].reshape(max_batch, -1)
+        self.staged_seq_lens = staged_seqs[:max_batch]
+        self.staged_block_tables = staged_seqs[max_batch:].reshape(max_batch, -1)
         self.staged_slots[:] = -1
         self.staged_seq_lens[:] = 1
         self.staging_free = torch.cuda.Event()  # the last upload has left the staging buffers
@@ -108,9 +112,8 @@ class DecodeGraphs:
         return num_seqs <= self.max_batch
 
     def _upload(self, size: int) -> None:
-        self.token_inputs.copy_(self.token_staging, non_blocking=True)
-        rows = self.max_batch + size * self.max_blocks
-        self.seq_inputs[:rows].copy_(self.seq_staging[:rows], non_blocking=True)
+        num_bytes = self.token_bytes + (self.max_batch + size * self.max_blocks) * 4
+        self.inputs[:num_bytes].copy_(self.staging[:num_bytes], non_blocking=True)
         self.staging_free.record()
 
     def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
