@@ -5,7 +5,7 @@ the stream is still running; it must wait (`griddepcontrol.wait`) before it read
 memory, and it lets the next kernel launch early in turn. A decode step is a chain of a few
 hundred short kernels, and this overlaps each one's launch latency with the previous one's tail.
 A kernel joins by taking a `USE_PDL` constexpr, calling `wait_for_previous(USE_PDL)` before its
-first memory access, and being launched with `USE_PDL=uses_pdl(device), launch_pdl=...` alike.
+first memory access, and being launched with `**pdl_options(device)`.
 Kernels launched without PDL (torch's, cuBLAS's) wait for everything before them as usual.
 """
 
@@ -19,8 +19,11 @@ import triton.language as tl
 
 
 @functools.cache
-def uses_pdl(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """Launch keywords of a kernel that takes part: its USE_PDL constexpr and Triton's launch_pdl
+    option, both on for Hopper and later GPUs (pass them as `**pdl_options(device)`)."""
+    on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"USE_PDL": on, "launch_pdl": on}
 
 
 @triton.jit

@@ -31,7 +31,7 @@ from tandem.attention.triton_kernels import (
     prefill_attention_kernel,
     store_kv_kernel,
 )
-from tandem.pdl import uses_pdl
+from tandem.pdl import pdl_options
 
 _LOG2_E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
@@ -266,10 +266,9 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_SIZE=k_cache.shape[1],
             BLOCK_N=block_n,
             DOT_PRECISION=_dot_precision(k_cache.dtype),
-            USE_PDL=uses_pdl(q.device),
             num_warps=cfg.decode_num_warps or 4,
             num_stages=cfg.decode_num_stages or 3,
-            launch_pdl=uses_pdl(q.device),
+            **pdl_options(q.device),
         )
 
     def _split_counters(self, size: int, device: torch.device) -> torch.Tensor:

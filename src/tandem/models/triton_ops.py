@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.pdl import uses_pdl, wait_for_previous
+from tandem.pdl import pdl_options, wait_for_previous
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows.shape[0],)](
             rows, rows, weight, out, rows.stride(0), 0, out.stride(0), shape[-1], eps,
             HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(shape[-1]),
-            USE_PDL=uses_pdl(x.device), launch_pdl=uses_pdl(x.device),
+            **pdl_options(x.device),
         )  # fmt: skip
     return out.reshape(shape)
 
@@ -81,7 +81,7 @@ def add_rms_norm(
         _rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
             x.shape[-1], eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(x.shape[-1]),
-            USE_PDL=uses_pdl(x.device), launch_pdl=uses_pdl(x.device),
+            **pdl_options(x.device),
         )  # fmt: skip
     return out
 
@@ -114,8 +114,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up.stride(0),
             out.stride(0),
             BLOCK=block,
-            USE_PDL=uses_pdl(gate_up.device),
-            launch_pdl=uses_pdl(gate_up.device),
+            **pdl_options(gate_up.device),
         )
     return out
 
@@ -234,7 +233,7 @@ def qk_norm_rotary_store(
             HEADS_POW2=triton.next_power_of_2(num_heads),
             KV_HEADS_POW2=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2,
             BLOCK_SIZE=k_cache.shape[1], QK_NORM=qk_norm is not None,
-            USE_PDL=uses_pdl(qkv.device), launch_pdl=uses_pdl(qkv.device),
+            **pdl_options(qkv.device),
         )  # fmt: skip
     return qkv[:, : num_heads * head_dim].unflatten(-1, (num_heads, head_dim))
 
@@ -310,7 +309,7 @@ def small_batch_linear(
         x, weight, bias if bias is not None else weight, out, num_rows, n, k,
         x.stride(0), out.stride(0), ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN=n % block_n == 0 and k % block_k == 0, HAS_BIAS=bias is not None,
-        USE_PDL=uses_pdl(x.device), launch_pdl=uses_pdl(x.device),
+        **pdl_options(x.device),
         num_warps=4, num_stages=1 if num_rows == 1 else 3,
     )  # fmt: skip
     return out
