@@ -161,7 +161,9 @@ def test_killing_a_real_decode_worker_mid_stream(tmp_path, tiny_checkpoints):
     requests succeed once a decode worker is back on the same address."""
     model = str(tiny_checkpoints["llama-gqa"])
     decode_port, router_port = free_port(), free_port()
-    decode_flags = ("--role", "decode")
+    # One sequence at a time: while the first stream decodes, the others wait for admission, so
+    # some stream is still open when the worker dies however fast the tiny model generates.
+    decode_flags = ("--role", "decode", "--max-num-seqs", "1")
     with running_worker(tmp_path, "--role", "prefill", model=model) as prefill:
         decode = start_worker(tmp_path, *decode_flags, model=model, port=decode_port)
         decode.wait_healthy()
