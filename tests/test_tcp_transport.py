@@ -523,3 +523,86 @@ def test_release_ends_a_transfer_without_its_bytes(make_server, client):
         with pytest.raises(KVTransferError) as error:  # forgotten, as after a fetch
             call()
         assert error.value.kind == "not_found"
+
+
+def test_a_handoff_announced_while_the_decode_waits_arrives_at_once(make_server, client):
+    server, _ = make_server()
+    message = {"remote_block_ids": [3, 1, 2], "first_token_id": 42, "kv_transport": "tcp"}
+    received: list[dict] = []
+    waiter = threading.Thread(
+        target=lambda: received.append(
+            client.await_announcement("127.0.0.1", server.port, "h1", timeout=5.0)
+        )
+    )
+    waiter.start()
+    time.sleep(0.2)  # the wait is in place before the announcement
+    assert received == []
+    announced = time.monotonic()
+    server.announce("h1", message)
+    waiter.join(5.0)
+    assert received == [message]
+    assert time.monotonic() - announced < 0.5
+    # the connection went back to the pool and still serves a fetch
+    layer = torch.arange(8, dtype=torch.float32)
+    server.publish("t", [layer])
+    out = torch.empty(8)
+    client.fetch("127.0.0.1", server.port, "t", [out], timeout=5.0)
+    assert torch.equal(out, layer)
+    assert server.connections_accepted == 1
+
+
+def test_a_handoff_announced_before_the_wait_is_kept_for_it(make_server, client):
+    server, _ = make_server()
+    server.announce("early", {"error": "the prefill failed"})
+    answer = client.await_announcement("127.0.0.1", server.port, "early", timeout=5.0)
+    assert answer == {"error": "the prefill failed"}
+    with pytest.raises(KVTransferError) as failure:  # claimed once, then gone
+        client.await_announcement("127.0.0.1", server.port, "early", timeout=0.3)
+    assert failure.value.kind == "timeout"
+
+
+def test_an_unclaimed_announcement_expires(make_server, client):
+    server, _ = make_server(announcement_ttl=0.1)
+    server.announce("old", {"x": 1})
+    time.sleep(0.2)
+    server.announce("new", {"x": 2})  # sweeps what expired
+    with pytest.raises(KVTransferError) as failure:
+        client.await_announcement("127.0.0.1", server.port, "old", timeout=0.3)
+    assert failure.value.kind == "timeout"
+    assert client.await_announcement("127.0.0.1", server.port, "new", timeout=1.0) == {"x": 2}
+
+
+def test_a_cancelled_wait_ends_and_the_server_forgets_it(make_server, client):
+    server, _ = make_server()
+    cancelled = threading.Event()
+    failures: list[KVTransferError] = []
+
+    def wait() -> None:
+        try:
+            client.await_announcement(
+                "127.0.0.1", server.port, "h", timeout=30, cancelled=cancelled
+            )
+        except KVTransferError as exc:
+            failures.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    cancelled.set()
+    waiter.join(5.0)
+    assert [f.kind for f in failures] == ["aborted"]
+    assert time.monotonic() - started < 1.0
+    deadline = time.monotonic() + 5.0  # the server's wait notices the closed connection
+    while server._handoffs and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server._handoffs == {}
+
+
+def test_a_wait_for_an_unreachable_server_is_a_connection_error(client):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(KVTransferError) as failure:
+        client.await_announcement("127.0.0.1", port, "h", timeout=2.0)
+    assert failure.value.kind == "connection"

@@ -19,8 +19,18 @@ Wire format. One connection carries any number of fetches, one after another; ev
     server -> client  ERROR    msgpack {"kind": str, "message": str}: the fetch ended; the
                                connection stays usable
 
+    client -> server  AWAIT    msgpack {"handoff_id": str, "timeout_s": float}: wait until the
+                               prefill side announces that handoff (see below)
+    server -> client  ANNOUNCE msgpack map: what the prefill side announced
+
     FETCH ─▶ ◀─ LAYER 0 ◀─ LAYER 1 … ◀─ LAYER n-1   CONFIRM ─▶ ◀─ DONE
          └─▶ ◀─ ERROR (not_found / mismatch / aborted), at the start or between layers
+    AWAIT ─▶ … ◀─ ANNOUNCE        or ◀─ ERROR (timeout) once timeout_s passed unannounced
+
+Handoffs let a decode worker wait for a prefill that has not finished (or not even arrived) yet:
+the prefill side calls `announce(handoff_id, message)` once it knows what the decode needs (its
+transfer parameters, or that there is nothing to load); a waiting AWAIT gets it at once, a later
+one finds it waiting (an announcement nobody claims is dropped after `announcement_ttl`).
 
 Threads: the server runs one accept thread plus one thread per connection; `wait_layer` and the
 `on_transfer_done` callback run on the connection's thread (the callback outside the server's lock,
@@ -38,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -64,6 +74,9 @@ _LAYER = 2
 _CONFIRM = 3
 _DONE = 4
 _ERROR = 5
+_AWAIT = 6
+_ANNOUNCE = 7
+AWAIT_POLL_S = 0.05  # how often a wait checks that its peer is still there (or cancelled)
 
 
 class _FetchRequest(msgspec.Struct):
@@ -72,18 +85,29 @@ class _FetchRequest(msgspec.Struct):
     release_only: bool = False  # no layers: the decode is done with the transfer without them
 
 
+class _AwaitRequest(msgspec.Struct):
+    handoff_id: str
+    timeout_s: float
+
+
 class _ErrorReply(msgspec.Struct):
     kind: str
     message: str
 
 
 _fetch_decoder = msgspec.msgpack.Decoder(_FetchRequest)
+_await_decoder = msgspec.msgpack.Decoder(_AwaitRequest)
 _error_decoder = msgspec.msgpack.Decoder(_ErrorReply)
+_announcement_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 _encoder = msgspec.msgpack.Encoder()
 
 
 class _ProtocolError(Exception):
     """The peer sent something that is not this protocol, or closed mid-message."""
+
+
+class _Cancelled(Exception):
+    """The waiting side gave up (its request was aborted)."""
 
 
 class _InjectedDrop(Exception):
@@ -140,6 +164,31 @@ def _recv_header(
     return message_type, layer, length
 
 
+def _recv_header_waiting(
+    sock: socket.socket,
+    buffer: bytearray,
+    deadline: float,
+    cancelled: threading.Event | None,
+) -> tuple[int, int, int]:
+    """Read one header that may be long in coming, checking `cancelled` every AWAIT_POLL_S."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(min(AWAIT_POLL_S, remaining))
+        try:
+            ready = sock.recv(1, socket.MSG_PEEK)
+        except TimeoutError:
+            if cancelled is not None and cancelled.is_set():
+                raise _Cancelled("cancelled while waiting") from None
+            continue
+        if not ready:
+            raise _ProtocolError("the server closed the connection")
+        message = _recv_header(sock, buffer, deadline)
+        assert message is not None  # a byte is waiting
+        return message
+
+
 def _recv_control(
     sock: socket.socket, length: int, deadline: float | None = None
 ) -> bytes | bytearray:
@@ -152,6 +201,13 @@ def _recv_control(
 
 def _send_message(sock: socket.socket, message_type: int, payload: bytes = b"") -> None:
     sock.sendall(_HEADER.pack(_MAGIC, message_type, 0, len(payload)) + payload)
+
+
+@dataclass(eq=False)
+class _Handoff:
+    arrived: threading.Event = field(default_factory=threading.Event)
+    message: dict[str, Any] | None = None
+    expires: float = float("inf")  # an announcement nobody claimed is dropped after this
 
 
 @dataclass(eq=False)
@@ -178,8 +234,11 @@ class TcpKVServer(TransportServer):
         fault: TransportFault | None = None,
         io_timeout: float = 30.0,
         idle_timeout: float = 300.0,
+        announcement_ttl: float = 60.0,
     ) -> None:
         self._on_transfer_done = on_transfer_done
+        self._announcement_ttl = announcement_ttl
+        self._handoffs: dict[str, _Handoff] = {}
         self._fault = fault
         self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout
@@ -240,6 +299,17 @@ class TcpKVServer(TransportServer):
         if transfer is not None:
             transfer.withdrawn.set()
 
+    def announce(self, handoff_id: str, message: dict[str, Any]) -> None:
+        """Hand `message` to the decode worker waiting on handoff_id (now, or when it asks)."""
+        now = time.monotonic()
+        with self._lock:
+            for stale in [k for k, h in self._handoffs.items() if h.expires < now]:
+                del self._handoffs[stale]
+            handoff = self._handoffs.setdefault(handoff_id, _Handoff())
+            handoff.message = message
+            handoff.expires = now + self._announcement_ttl
+        handoff.arrived.set()
+
     def close(self) -> None:
         """Stop accepting, forget every transfer, end every connection and join the threads."""
         with self._lock:
@@ -297,11 +367,14 @@ class TcpKVServer(TransportServer):
                 if message is None:
                     return
                 message_type, _, length = message
-                if message_type != _FETCH:
-                    raise _ProtocolError(f"expected FETCH, got message type {message_type}")
+                if message_type not in (_FETCH, _AWAIT):
+                    raise _ProtocolError(f"expected FETCH or AWAIT, got type {message_type}")
                 connection.settimeout(self._io_timeout)
-                request = _fetch_decoder.decode(_recv_control(connection, length))
-                self._serve_fetch(connection, request, header)
+                payload = _recv_control(connection, length)
+                if message_type == _AWAIT:
+                    self._serve_await(connection, _await_decoder.decode(payload))
+                else:
+                    self._serve_fetch(connection, _fetch_decoder.decode(payload), header)
         except (OSError, _ProtocolError, _InjectedDrop, msgspec.DecodeError) as exc:
             logger.debug("KV server on port %d: connection ended: %r", self.port, exc)
         except Exception:
@@ -310,6 +383,31 @@ class TcpKVServer(TransportServer):
             with self._lock:
                 self._connections.pop(connection, None)
             connection.close()
+
+    def _serve_await(self, connection: socket.socket, request: _AwaitRequest) -> None:
+        """Answer one AWAIT once its handoff is announced, or with a timeout error. Raises when
+        the client leaves while waiting (the connection then closes)."""
+        handoff_id = request.handoff_id
+        with self._lock:
+            handoff = self._handoffs.setdefault(handoff_id, _Handoff())
+        deadline = time.monotonic() + request.timeout_s
+        try:
+            while not handoff.arrived.wait(AWAIT_POLL_S):
+                if self._closing.is_set() or not _is_alive(connection):
+                    raise _ProtocolError(f"the client stopped waiting for {handoff_id!r}")
+                if time.monotonic() > deadline:
+                    break
+        finally:
+            connection.settimeout(self._io_timeout)
+            with self._lock:
+                if self._handoffs.get(handoff_id) is handoff:
+                    del self._handoffs[handoff_id]
+        if handoff.message is None:
+            self._send_error(
+                connection, "timeout", f"nothing was announced for {handoff_id!r} in time"
+            )
+            return
+        _send_message(connection, _ANNOUNCE, _encoder.encode(handoff.message))
 
     def _serve_fetch(
         self, connection: socket.socket, request: _FetchRequest, header: bytearray
@@ -460,6 +558,34 @@ class TcpKVClient(TransportClient):
         as fetch does."""
         self._request(host, port, transfer_id, [], timeout, None, release_only=True)
 
+    def await_announcement(
+        self,
+        host: str,
+        port: int,
+        handoff_id: str,
+        *,
+        timeout: float,
+        cancelled: threading.Event | None = None,
+    ) -> dict[str, Any]:
+        """Wait until the server's side announces handoff_id and return what it announced.
+        Raises KVTransferError: "timeout" when nothing came within `timeout`, "aborted" once
+        `cancelled` is set (checked every AWAIT_POLL_S), and as fetch does otherwise."""
+
+        def exchange(connection: socket.socket, deadline: float) -> dict[str, Any]:
+            request = _encoder.encode(_AwaitRequest(handoff_id, timeout))
+            connection.settimeout(max(deadline - time.monotonic(), 1e-3))
+            _send_message(connection, _AWAIT, request)
+            header = bytearray(_HEADER.size)
+            message_type, _, length = _recv_header_waiting(connection, header, deadline, cancelled)
+            if message_type == _ERROR:
+                error = self._decode_error(connection, length, deadline)
+                raise KVTransferError(error.kind, error.message)  # type: ignore[arg-type]
+            if message_type != _ANNOUNCE:
+                raise _ProtocolError(f"expected ANNOUNCE, got message type {message_type}")
+            return _announcement_decoder.decode(_recv_control(connection, length, deadline))
+
+        return self._with_connection(host, port, f"wait for {handoff_id!r}", timeout, exchange)
+
     def _request(
         self,
         host: str,
@@ -470,25 +596,47 @@ class TcpKVClient(TransportClient):
         on_layer: Callable[[int], None] | None,
         release_only: bool,
     ) -> None:
+        def exchange(connection: socket.socket, deadline: float) -> None:
+            error = self._exchange(connection, transfer_id, views, deadline, on_layer, release_only)
+            if error is not None:
+                raise KVTransferError(error.kind, error.message)  # type: ignore[arg-type]
+
+        self._with_connection(host, port, f"fetch of {transfer_id!r}", timeout, exchange)
+
+    def _with_connection(
+        self,
+        host: str,
+        port: int,
+        what: str,
+        timeout: float,
+        exchange: Callable[[socket.socket, float], Any],
+    ) -> Any:
+        """Run exchange(connection, deadline) on a pooled connection to the peer. A connection
+        whose exchange ended with the server's ERROR reply (a KVTransferError) stays usable;
+        one that broke or timed out is closed and the failure raised as a KVTransferError."""
         deadline = time.monotonic() + timeout
         peer = (host, port)
         connection = self._checkout(peer, deadline)
         try:
-            error = self._exchange(connection, transfer_id, views, deadline, on_layer, release_only)
+            result = exchange(connection, deadline)
+        except KVTransferError:
+            self._checkin(peer, connection)
+            raise
         except BaseException as exc:
-            connection.close()
+            connection.close()  # mid-exchange: nothing else may use it
+            if isinstance(exc, _Cancelled):
+                raise KVTransferError("aborted", f"{what} was cancelled") from exc
             if isinstance(exc, TimeoutError):
                 raise KVTransferError(
-                    "timeout", f"fetch of {transfer_id!r} from {host}:{port} passed {timeout} s"
+                    "timeout", f"{what} from {host}:{port} passed {timeout} s"
                 ) from exc
             if isinstance(exc, (OSError, _ProtocolError, msgspec.DecodeError)):
                 raise KVTransferError(
-                    "connection", f"fetch of {transfer_id!r} from {host}:{port} broke: {exc!r}"
+                    "connection", f"{what} from {host}:{port} broke: {exc!r}"
                 ) from exc
             raise
         self._checkin(peer, connection)
-        if error is not None:
-            raise KVTransferError(error.kind, error.message)  # type: ignore[arg-type]
+        return result
 
     def close(self) -> None:
         """Close every idle connection; later fetches are refused."""

@@ -16,10 +16,11 @@ the decode worker (client side) and reports what happened; the connector does th
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -112,6 +113,11 @@ class TransportServer(ABC):
         """Forget a transfer (no-op when unknown); a fetch in progress ends with "aborted"."""
 
     @abstractmethod
+    def announce(self, handoff_id: str, message: dict[str, Any]) -> None:
+        """Give `message` to the decode worker that waits (or will wait) on handoff_id; never
+        waits on the network."""
+
+    @abstractmethod
     def close(self) -> None:
         """Stop serving and forget every transfer."""
 
@@ -136,6 +142,19 @@ class TransportClient(ABC):
     @abstractmethod
     def release(self, host: str, port: int, transfer_id: str, *, timeout: float) -> None:
         """Confirm a transfer without fetching its bytes (the decode side needs none of them)."""
+
+    @abstractmethod
+    def await_announcement(
+        self,
+        host: str,
+        port: int,
+        handoff_id: str,
+        *,
+        timeout: float,
+        cancelled: threading.Event | None = None,
+    ) -> dict[str, Any]:
+        """Block until the server announces handoff_id and return its message; raises
+        KVTransferError ("timeout", "aborted" once `cancelled` is set, "connection")."""
 
     @abstractmethod
     def close(self) -> None:
