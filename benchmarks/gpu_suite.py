@@ -416,6 +416,7 @@ LATENCY_REPEATS = 30  # measured requests per input length and path, after 2 war
 
 def latency(limits: dict, log_dir: Path) -> dict:
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     common = [
         "--model", "qwen3-0.6b", "--load-format", "dummy", "--host", "127.0.0.1",
@@ -484,6 +485,14 @@ def latency(limits: dict, log_dir: Path) -> dict:
                 disaggregated = greedy_token_ids(client, urls["pd"], prompt, 64)
                 row["pd_identical_to_both"] = colocated == disaggregated
                 results[str(num_input)] = row
+            results["router_handoffs"] = sum(
+                sample.value
+                for family in text_string_to_metric_families(
+                    client.get(f"{urls['pd']}/metrics").text
+                )
+                for sample in family.samples
+                if sample.name == "tandem_router_handoffs_total"
+            )  # streamed PD requests that went through the handoff flow
         return results
     finally:
         for process in processes.values():

@@ -17,6 +17,7 @@ import pytest
 from tandem.engine.kv_cache_manager import KVCacheManager, cdiv
 from tandem.engine.outputs import (
     EngineCoreOutput,
+    HandedOffToken,
     KVConnectorOutput,
     RunnerOutput,
     SchedulerOutput,
@@ -539,3 +540,77 @@ def test_abort_while_waiting_for_remote_kv_frees_the_blocks():
     assert harness.finish_reasons == {"remote": "abort"}
     assert harness.kv.num_used_blocks == 0
     assert not harness.scheduler.has_work()
+
+
+class HandoffConnector(RemotePrefillConnector):
+    """A handoff's decode side: the whole prompt's KV comes remotely, and the first token with
+    it (the test hands it over in KVConnectorOutput.first_tokens)."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
+        if request.request_id in self.remote_ids and request.request_id not in self.attempted:
+            self.attempted.add(request.request_id)
+            return request.num_tokens - num_local, True
+        return 0, False
+
+
+def add_handoff(harness: Harness, request_id: str, prompt: list[int], **params) -> Request:
+    request = harness.add(request_id, prompt, **params)
+    request.kv_transfer_params = {"do_remote_prefill": True, "handoff_id": f"h-{request_id}"}
+    return request
+
+
+def test_a_handed_off_first_token_is_output_before_decoding_goes_on():
+    connector = HandoffConnector({"remote"})
+    harness = Harness(16, 4, max_num_seqs=8, max_num_batched_tokens=64, connector=connector)
+    prompt = list(range(1, 11))
+    remote = add_handoff(harness, "remote", prompt, max_tokens=5, ignore_eos=True)
+    harness.step()
+    block_ids, first, count = connector.loads["remote"]
+    assert (first, count) == (0, 10)  # the whole prompt
+    delivered = connector.deliver(harness, "remote")
+    delivered.first_tokens["remote"] = HandedOffToken(next_token(prompt))
+    harness.step(connector_output=delivered)
+    assert harness.tokens["remote"] == [next_token(prompt)]  # out before any step computed
+    assert plan(harness.step()) == [("remote", 10, 1, True)]
+    harness.run_until_idle()
+    expected = reference_generation(prompt, remote.sampling_params)
+    assert (harness.tokens["remote"], harness.finish_reasons["remote"]) == expected
+    assert harness.kv.num_used_blocks == 0
+
+
+def test_a_first_token_that_ended_the_request_at_prefill_ends_it_here():
+    connector = HandoffConnector({"remote"})
+    harness = Harness(16, 4, max_num_seqs=8, max_num_batched_tokens=64, connector=connector)
+    add_handoff(harness, "remote", list(range(1, 11)), max_tokens=5, stop_token_ids=[7])
+    harness.step()
+    connector.loads.pop("remote")
+    handed_off = {"remote": HandedOffToken(7, "stop", 7)}
+    harness.step(connector_output=KVConnectorOutput({"remote"}, first_tokens=handed_off))
+    assert (harness.tokens["remote"], harness.finish_reasons["remote"]) == ([7], "stop")
+    assert not harness.scheduler.has_work()
+    assert harness.kv.num_used_blocks == 0
+
+
+def test_a_failed_handoff_is_recomputed_only_with_its_first_token():
+    """Without the prefill's first token a recompute could sample another one than the client
+    was sent: that request fails. With it, the token is output and the prompt recomputed."""
+    connector = HandoffConnector({"unannounced", "announced"})
+    harness = Harness(16, 4, max_num_seqs=8, max_num_batched_tokens=64, connector=connector)
+    prompt = list(range(1, 11))
+    add_handoff(harness, "unannounced", prompt, max_tokens=3, ignore_eos=True)
+    announced = add_handoff(harness, "announced", prompt[::-1], max_tokens=3, ignore_eos=True)
+    harness.step()
+    connector.loads.clear()
+    failed = KVConnectorOutput(
+        failed_recving={"unannounced": "aborted", "announced": "connection"},
+        first_tokens={"announced": HandedOffToken(next_token(prompt[::-1]))},
+    )
+    harness.step(connector_output=failed)
+    assert harness.finish_reasons == {"unannounced": "error"}
+    assert harness.tokens["announced"] == [next_token(prompt[::-1])]
+    assert announced.status == RequestStatus.WAITING
+    assert plan(harness.step()) == [("announced", 0, 11, True)]  # the prompt and first token
+    harness.run_until_idle()
+    expected = reference_generation(prompt[::-1], announced.sampling_params)
+    assert (harness.tokens["announced"], harness.finish_reasons["announced"]) == expected
+    assert harness.kv.num_used_blocks == 0

@@ -88,17 +88,24 @@ def start_worker(
 ) -> WorkerProcess:
     """Launch `tandem worker --model model *flags` on `port` (default: a free one); does not
     wait for health."""
+    return start_tandem(log_dir, "worker", "--model", model, *flags, port=port)
+
+
+def start_tandem(
+    log_dir: Path, command: str, *flags: str, port: int | None = None
+) -> WorkerProcess:
+    """Launch `tandem command *flags --host 127.0.0.1 --port port` (a worker or a router)."""
     port = port or free_port()
-    log_path = Path(log_dir) / f"worker-{port}.log"
-    command = [sys.executable, "-m", "tandem.cli", "worker", "--model", model]
-    command += ["--host", "127.0.0.1", "--port", str(port), *flags]
+    log_path = Path(log_dir) / f"{command}-{port}.log"
+    argv = [sys.executable, "-m", "tandem.cli", command, *flags]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
     source_dir = str(Path(__file__).resolve().parent.parent / "src")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [source_dir, env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            command,
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -44,6 +44,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    kv_port: int | None = None  # where the KV server listens (workers that serve their KV)
 
 
 def collect_stats(core) -> dict[str, Any]:
@@ -95,6 +96,7 @@ def run_engine_core(
         max_model_len=core.max_model_len,
         vocab_size=core.model_config.vocab_size,
         eos_token_ids=core.eos_token_ids,
+        kv_port=core.connector.server.port if getattr(core.connector, "server", None) else None,
     )
     # What start-up built (the model, its modules, the tokenizer's tables) lives as long as the
     # process: frozen, the garbage collector stops walking it, which shortens its pauses in the

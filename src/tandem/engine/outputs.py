@@ -44,11 +44,22 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True)
+class HandedOffToken:
+    """The first token a remote prefill announced to a decode worker that was already waiting;
+    finish_reason is set when that token ended the request on the prefill side."""
+
+    token_id: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
 @dataclass
 class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: dict[str, str] = field(default_factory=dict)  # request id -> failure kind
     finished_sending: set[str] = field(default_factory=set)
+    first_tokens: dict[str, HandedOffToken] = field(default_factory=dict)  # handoffs only
 
 
 @dataclass

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.outputs import (
     EngineCoreOutput,
+    HandedOffToken,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
 from tandem.engine.request import Request, RequestStatus
-from tandem.kv.base import KVConnector, NoKVConnector
+from tandem.kv.base import KVConnector, NoKVConnector, is_pending_handoff
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,27 @@ class Scheduler:
             kv_transfer_params=kv_transfer_params,
         )
 
+    def _take_handed_off_token(
+        self, request: Request, handed_off: HandedOffToken
+    ) -> EngineCoreOutput:
+        """A handoff's first token, announced by the prefill: the request's first output, and
+        its end if that token ended it there (or ends it here)."""
+        request.output_token_ids.append(handed_off.token_id)
+        status = request.check_stop()
+        if handed_off.finish_reason is not None:
+            status = RequestStatus(handed_off.finish_reason)
+            request.stop_reason = handed_off.stop_reason
+        if status is None:
+            return EngineCoreOutput(
+                request.request_id,
+                [handed_off.token_id],
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+        output = self._finish(request, status)
+        output.new_token_ids = [handed_off.token_id]
+        return output
+
     def _update_from_connector(self, connector_output) -> list[EngineCoreOutput]:
         outputs = []
         for request_id in connector_output.finished_sending:
@@ -235,25 +257,41 @@ class Scheduler:
                 self.held_for_remote.discard(request_id)
                 self.kv.free(request_id)
         for request_id in connector_output.finished_recving:
-            request = self.waiting_for_remote.pop(request_id, None)
+            request = self.waiting_for_remote.get(request_id)
             if request is None:
                 continue
+            handed_off = connector_output.first_tokens.get(request_id)
+            if handed_off is not None:
+                output = self._take_handed_off_token(request, handed_off)
+                outputs.append(output)
+                if output.finish_reason is not None:
+                    continue
+            del self.waiting_for_remote[request_id]
             request.num_computed_tokens = request.num_tokens - 1
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         for request_id, kind in connector_output.failed_recving.items():
-            request = self.waiting_for_remote.pop(request_id, None)
+            request = self.waiting_for_remote.get(request_id)
             if request is None:
                 continue
-            if self.connector.recompute_on_failure:
+            handed_off = connector_output.first_tokens.get(request_id)
+            if handed_off is not None:  # the announcement came, the bytes did not
+                output = self._take_handed_off_token(request, handed_off)
+                outputs.append(output)
+                if output.finish_reason is not None:
+                    continue
+            # Recomputing needs the first token the client was sent: a handoff whose prefill
+            # never announced one cannot be recomputed without risking a different one.
+            unannounced = handed_off is None and is_pending_handoff(request.kv_transfer_params)
+            if self.connector.recompute_on_failure and not unannounced:
                 # Start over as after a preemption: the blocks the load was to fill hold nothing
                 # valid, and a retry with prefix hits must get a block table that starts with them.
+                del self.waiting_for_remote[request_id]
                 self.kv.free(request_id)
                 request.num_computed_tokens = 0
                 request.status = RequestStatus.WAITING
                 self.waiting.appendleft(request)
             else:
-                self.waiting_for_remote[request_id] = request
                 output = self._finish(request, RequestStatus.FINISHED_ERROR)
                 output.error = f"the KV transfer from the prefill worker failed ({kind})"
                 outputs.append(output)

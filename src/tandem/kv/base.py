@@ -29,6 +29,15 @@ if TYPE_CHECKING:
     from tandem.engine.request import Request
 
 
+def is_pending_handoff(params: dict[str, Any] | None) -> bool:
+    """Decode-side kv_transfer_params of a handoff: the prefill announces its transfer (and
+    first token) later, under handoff_id, instead of the params carrying them."""
+    params = params or {}
+    return bool(params.get("do_remote_prefill") and params.get("handoff_id")) and (
+        "first_token_id" not in params
+    )
+
+
 class KVConnector:
     recompute_on_failure: bool = True
 

@@ -19,6 +19,7 @@ class KVTransferConfig:
     port: int = 0  # 0: any free port
     lease_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    handoff_timeout_s: float = 600.0  # how long a decode waits for a prefill it was handed off
     load_failure_policy: str = "recompute"
     fault: str | None = None  # fault injection for tests, e.g. "drop:1", "delay:5"
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

@@ -23,6 +23,15 @@ Decode side (a request with kv_transfer_params.do_remote_prefill, carrying the f
     a prompt the local prefix cache holds whole, or a request done on its first token, only
     releases the prefill's lease (a transfer confirmed without its bytes)
 
+Handoff (tandem's own, for a router that starts both legs at once): the prefill leg's params carry
+a router-chosen `handoff_id`, and the decode leg arrives at the same time with only that id and
+the prefill's KV server address. The decode worker allocates the prompt's blocks and its load
+thread waits on the prefill's server (`await_announcement`); when the prefill finishes, this
+connector announces its kv_transfer_params (or the first token that ended the request, or why it
+gave up) under the id, and the load goes on as above. The first token reaches the decode
+scheduler with the load's report (`KVConnectorOutput.first_tokens`). A decode request aborted
+while it waits cancels the wait.
+
 With the cuda-ipc transport nothing is staged: decode maps the prefill's cache once and copies
 the blocks GPU to GPU (`kv/cuda_ipc.py`); the TCP connection carries only the confirmation.
 
@@ -43,9 +52,9 @@ from typing import Any
 import torch
 
 from tandem.engine.kv_cache_manager import cdiv
-from tandem.engine.outputs import KVConnectorOutput, ScheduledRequest
+from tandem.engine.outputs import HandedOffToken, KVConnectorOutput, ScheduledRequest
 from tandem.engine.request import Request, RequestStatus
-from tandem.kv.base import KVConnector
+from tandem.kv.base import KVConnector, is_pending_handoff
 from tandem.kv.config import KVTransferConfig
 from tandem.kv.transport import KVTransferError, TransportFault
 
@@ -63,9 +72,10 @@ class SaveSpec:
 @dataclass
 class LoadSpec:
     request_id: str
-    remote: dict[str, Any]  # the prefill's kv_transfer_params
+    remote: dict[str, Any]  # the prefill's kv_transfer_params (a handoff: its id and address)
     local_block_ids: list[int]  # receive remote blocks first_block .. of the prompt
     first_block: int  # local prefix-cache hits cover the blocks before it
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -105,12 +115,14 @@ class PDConnector(KVConnector):
         self.new_loads: list[LoadSpec] = []
         self.loading: set[str] = set()
         self.abandoned_loads: set[str] = set()
+        self.cancelled_waits: dict[str, threading.Event] = {}  # handoffs waiting on a prefill
         self.client = None
         self.executor: ThreadPoolExecutor | None = None
         # reports, filled by transport threads, drained by get_finished / stats
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.failed_recving: dict[str, str] = {}
+        self.first_tokens: dict[str, HandedOffToken] = {}
         self.counters = dict.fromkeys(
             ("kv_bytes_sent", "kv_blocks_sent", "kv_bytes_received", "kv_blocks_received"), 0
         )
@@ -174,6 +186,7 @@ class PDConnector(KVConnector):
                 transport_params(request),
                 block_ids[first_block:num_prompt_blocks],
                 first_block,
+                request.num_prompt_tokens,
             )
         )
 
@@ -197,19 +210,31 @@ class PDConnector(KVConnector):
         with self.lock:
             if request_id in self.loading:  # the load thread still writes into these blocks
                 self.abandoned_loads.add(request_id)
+                if request_id in self.cancelled_waits:
+                    self.cancelled_waits[request_id].set()
                 return True, None
         if self.remote_decode.pop(request_id, None) is None:
+            self._announce_no_transfer(request)
             return False, None
         with self.lock:
             lease = self.leases.get(request_id)
-        if lease is None:
-            return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH or request.num_output_tokens != 1:
+        if (
+            lease is None
+            or request.status != RequestStatus.FINISHED_LENGTH
+            or request.num_output_tokens != 1
+        ):
             self._end_lease(request_id, report=False)
+            self._announce_no_transfer(request)
             return False, None
         lease.deadline = time.monotonic() + self.config.lease_timeout_s
+        params = self._transfer_params(request, block_ids)
+        self._announce(request, params)
+        return True, params
+
+    def _transfer_params(self, request: Request, block_ids: list[int]) -> dict[str, Any]:
         num_blocks = cdiv(request.num_prompt_tokens, self.block_size)
-        return True, {
+        request_id = request.request_id
+        return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
@@ -225,6 +250,25 @@ class PDConnector(KVConnector):
             "kv_layout": self.kv_layout,
             "kv_ipc_handle": self.ipc_handle,
         }
+
+    def _announce(self, request: Request, message: dict[str, Any]) -> None:
+        """Prefill side: tell a decode worker waiting on the request's handoff (if any)."""
+        params = transport_params(request)
+        if self.server is not None and params.get("do_remote_decode") and params.get("handoff_id"):
+            self.server.announce(params["handoff_id"], message)
+
+    def _announce_no_transfer(self, request: Request) -> None:
+        """A prefill that ends without KV to hand off: its first token if that token ended the
+        request, or why it gave up."""
+        if request.status == RequestStatus.FINISHED_STOPPED and request.num_output_tokens == 1:
+            message = {
+                "first_token_id": request.output_token_ids[0],
+                "finish_reason": "stop",
+                "stop_reason": request.stop_reason,
+            }
+        else:
+            message = {"error": f"the prefill ended without its KV ({request.status.value})"}
+        self._announce(request, message)
 
     @property
     def kv_layout(self) -> str:
@@ -287,17 +331,28 @@ class PDConnector(KVConnector):
         for spec in metadata.loads:
             with self.lock:
                 self.loading.add(spec.request_id)
+                if is_pending_handoff(spec.remote):
+                    self.cancelled_waits[spec.request_id] = threading.Event()
             self.executor.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> None:
-        """Receive one request's prompt KV into its local blocks (load thread), then report."""
+        """Receive one request's prompt KV into its local blocks (load thread), then report.
+        A handoff first waits for the prefill's announcement; the transfer's time counts from
+        there."""
         started = time.monotonic()
+        handed_off: HandedOffToken | None = None
+        loaded = False  # False: a failure, or a prefill done on its first token (nothing to load)
         try:
-            self._check_compatible(spec.remote)
-            if self.gpu_direct:
-                num_bytes = self._receive_gpu_direct(spec)
-            else:
-                num_bytes = self._receive_tcp(spec)
+            if is_pending_handoff(spec.remote):
+                spec.remote, handed_off = self._await_handoff(spec)
+                started = time.monotonic()
+            if handed_off is None or handed_off.finish_reason is None:
+                self._check_compatible(spec.remote, spec.num_prompt_tokens)
+                if self.gpu_direct:
+                    num_bytes = self._receive_gpu_direct(spec)
+                else:
+                    num_bytes = self._receive_tcp(spec)
+                loaded = True
             failure = None
         except KVTransferError as exc:
             failure = exc.kind
@@ -307,20 +362,48 @@ class PDConnector(KVConnector):
             logger.exception("KV load of %s failed", spec.request_id)
         with self.lock:
             self.loading.discard(spec.request_id)
-            if failure is None:
+            self.cancelled_waits.pop(spec.request_id, None)
+            if loaded:
                 self.counters["kv_bytes_received"] += num_bytes
                 self.counters["kv_blocks_received"] += len(spec.remote["remote_block_ids"])
                 self.new_transfer_seconds.append(time.monotonic() - started)
-            else:
+            elif failure is not None:
                 self.new_failures[failure] = self.new_failures.get(failure, 0) + 1
             if spec.request_id in self.abandoned_loads:
                 self.abandoned_loads.discard(spec.request_id)
                 self.finished_sending.add(spec.request_id)  # frees the blocks it held
-            elif failure is None:
-                self.finished_recving.add(spec.request_id)
             else:
-                self.failed_recving[spec.request_id] = failure
+                if handed_off is not None:
+                    self.first_tokens[spec.request_id] = handed_off
+                if failure is None:
+                    self.finished_recving.add(spec.request_id)
+                else:
+                    self.failed_recving[spec.request_id] = failure
         self.wakeup()
+
+    def _await_handoff(self, spec: LoadSpec) -> tuple[dict[str, Any], HandedOffToken]:
+        """Wait for the prefill's announcement: its transfer params and first token."""
+        remote = spec.remote
+        message = self.client.await_announcement(
+            remote["remote_host"],
+            int(remote["remote_port"]),
+            remote["handoff_id"],
+            timeout=self.config.handoff_timeout_s,
+            cancelled=self.cancelled_waits.get(spec.request_id),
+        )
+        if "error" in message:
+            raise KVTransferError("aborted", f"the prefill worker gave up: {message['error']}")
+        if message.get("finish_reason") not in (None, "stop"):
+            raise KVTransferError("mismatch", f"an announcement with {message['finish_reason']!r}")
+        try:
+            token = HandedOffToken(
+                int(message["first_token_id"]),
+                message.get("finish_reason"),
+                message.get("stop_reason"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KVTransferError("mismatch", f"a malformed announcement: {exc!r}") from exc
+        return message, token
 
     def _confirm_fetch(self, spec: LoadSpec, layers: list[torch.Tensor], on_layer=None) -> None:
         remote = spec.remote
@@ -387,7 +470,7 @@ class PDConnector(KVConnector):
         self._confirm_fetch(spec, [])
         return len(remote_ids) * self.kv_spec.bytes_per_block
 
-    def _check_compatible(self, remote: dict[str, Any]) -> None:
+    def _check_compatible(self, remote: dict[str, Any], num_prompt_tokens: int) -> None:
         if remote.get("kv_transport", "tcp") != self.config.transport:
             raise KVTransferError(
                 "mismatch", f"the prefill worker uses transport {remote.get('kv_transport')!r}"
@@ -398,6 +481,12 @@ class PDConnector(KVConnector):
                 f"the prefill worker's KV layout ({remote.get('kv_layout')}, block size "
                 f"{remote.get('block_size')}) differs from this worker's ({self.kv_layout}, "
                 f"block size {self.block_size})",
+            )
+        if remote.get("num_prompt_tokens", num_prompt_tokens) != num_prompt_tokens:
+            raise KVTransferError(
+                "mismatch",
+                f"the prefill worker computed {remote.get('num_prompt_tokens')} prompt tokens, "
+                f"this worker has {num_prompt_tokens} (do both serve the same model?)",
             )
 
     def get_finished(self) -> KVConnectorOutput | None:
@@ -410,9 +499,10 @@ class PDConnector(KVConnector):
             if not (self.finished_sending or self.finished_recving or self.failed_recving):
                 return None
             output = KVConnectorOutput(
-                self.finished_recving, self.failed_recving, self.finished_sending
+                self.finished_recving, self.failed_recving, self.finished_sending, self.first_tokens
             )
             self.finished_recving, self.failed_recving, self.finished_sending = set(), {}, set()
+            self.first_tokens = {}
         return output
 
     # -- both sides ------------------------------------------------------------------------------

@@ -86,6 +86,12 @@ class RouterMetrics:
             "answered by the prefill leg alone.",
             registry=self.registry,
         )
+        self.handoffs = Counter(
+            "tandem_router_handoffs",
+            "PD requests whose decode leg went out with the prefill leg (tandem's handoff flow) "
+            "rather than after it.",
+            registry=self.registry,
+        )
 
     def forget_worker(self, url: str, role: str) -> None:
         for gauge in (self.outstanding, self.healthy):

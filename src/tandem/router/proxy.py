@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +69,16 @@ PREFILL_KV_REQUEST = {
     "remote_port": None,
 }
 RELEASE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+
+@dataclass
+class PrefillAnswer:
+    """A prefill leg's answer (status 200), parsed."""
+
+    worker: Worker
+    answer: dict[str, Any]
+    first_text: str
+    kv_transfer_params: dict[str, Any] | None
 
 
 class NoWorker(Exception):
@@ -256,8 +266,10 @@ class Proxy:
         body: dict[str, Any],
         timeout: aiohttp.ClientTimeout,
         prefix: Sequence[int] = (),
+        accept: Callable[[Worker], bool] | None = None,
     ) -> Leg:
-        """Sends `body` to a worker of `roles`, moving on to another one while workers refuse.
+        """Sends `body` to a worker of `roles` (those `accept` takes, if given), moving on to
+        another one while workers refuse.
 
         Returns once a worker answered with a status that is not a refusal (its body unread).
         """
@@ -268,6 +280,8 @@ class Proxy:
         dropped: set[str] = set()
         for _ in range(self.config.max_attempts):
             candidates = self.pool.available(roles, exclude=tried)
+            if accept is not None:
+                candidates = [worker for worker in candidates if accept(worker)]
             if not candidates:
                 break
             worker = policy.choose(candidates, prefix)
@@ -419,6 +433,27 @@ class Proxy:
         if self.prefill_policy.uses_prefix:
             units = prompt_units(ctx.endpoint, ctx.body)
             prefix = prefix_hashes(units, self.config.prefix_block_chars)
+        handoff_to = self._handoff_worker(ctx, prefix)
+        flow = (
+            self._handed_off(ctx, handoff_to, prefix)
+            if handoff_to is not None
+            else self._in_sequence(ctx, prefix)
+        )
+        try:
+            async for item in flow:
+                yield item
+        finally:
+            await flow.aclose()
+
+    async def _prefill(
+        self,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        prefix: Sequence[int],
+        accept: Callable[[Worker], bool] | None = None,
+    ) -> PrefillAnswer | tuple[ResponseHead, bytes]:
+        """Runs the prefill leg: its parsed answer, or what to answer the client instead. With
+        `accept`, NoWorker is raised rather than answered."""
         try:
             with waiting_on_workers(ctx):
                 prefill = await self._open_leg(
@@ -426,65 +461,144 @@ class Proxy:
                     "prefill",
                     ("prefill",),
                     self.prefill_policy,
-                    prefill_leg_body(ctx.body),
+                    body,
                     self._prefill_timeout,
                     prefix,
+                    accept,
                 )
                 data = await self._read_leg(prefill)
         except NoWorker as exc:
-            for item in self._refusal(ctx, 503, str(exc), "no_worker", "no_worker"):
-                yield item
-            return
+            if accept is not None:
+                raise
+            return self._refusal(ctx, 503, str(exc), "no_worker", "no_worker")
         except (LegTimeout, asyncio.TimeoutError) as exc:
             message = f"the prefill leg timed out: {exc}"
-            for item in self._refusal(ctx, 504, message, "upstream_timeout", "upstream_error"):
-                yield item
-            return
+            return self._refusal(ctx, 504, message, "upstream_timeout", "upstream_error")
         except aiohttp.ClientError as exc:
             message = f"the prefill worker failed: {exc!r}"
-            for item in self._refusal(ctx, 502, message, "upstream_error", "upstream_error"):
-                yield item
-            return
+            return self._refusal(ctx, 502, message, "upstream_error", "upstream_error")
 
         if prefill.response.status != 200:
-            for item in self._relayed(ctx, prefill, data):
-                yield item
-            return
+            return self._relayed(ctx, prefill, data)
         try:
             answer = msgspec.json.decode(data)
             first_choice = answer["choices"][0]
             kv_transfer_params = answer.get("kv_transfer_params")
         except (ValueError, KeyError, IndexError, TypeError):
             message = f"the prefill worker {prefill.worker.url} sent a malformed answer"
-            for item in self._refusal(ctx, 502, message, "upstream_error", "upstream_error"):
+            return self._refusal(ctx, 502, message, "upstream_error", "upstream_error")
+        first_text = choice_text(ctx.endpoint, first_choice, streamed=False)
+        return PrefillAnswer(prefill.worker, answer, first_text, kv_transfer_params)
+
+    def _prefill_alone(self, ctx: RequestContext, prefill: PrefillAnswer) -> Iterator[Any]:
+        """The answer when the prefill leg is the whole request (one token, or done on it)."""
+        if prefill.kv_transfer_params is not None:
+            self._release(prefill.worker, prefill.kv_transfer_params)
+        answer = prefill.answer
+        answer.pop("kv_transfer_params", None)
+        if ctx.stream:
+            yield SSE_HEAD
+            yield from self._prefill_only_chunks(ctx, answer, prefill.first_text)
+        else:
+            yield JSON_HEAD
+            yield msgspec.json.encode(answer)
+
+    async def _in_sequence(self, ctx: RequestContext, prefix: Sequence[int]) -> Flow:
+        """vLLM's flow: the prefill leg, then the decode leg with its kv_transfer_params."""
+        prefill = await self._prefill(ctx, prefill_leg_body(ctx.body), prefix)
+        if not isinstance(prefill, PrefillAnswer):
+            for item in prefill:
                 yield item
             return
-        first_text = choice_text(ctx.endpoint, first_choice, streamed=False)
-
-        if kv_transfer_params is None or wants_one_token(ctx.endpoint, ctx.body):
-            if kv_transfer_params is not None:
-                self._release(prefill.worker, kv_transfer_params)
-            answer.pop("kv_transfer_params", None)
-            if ctx.stream:
-                yield SSE_HEAD
-                for chunk in self._prefill_only_chunks(ctx, answer, first_text):
-                    yield chunk
-            else:
-                yield JSON_HEAD
-                yield msgspec.json.encode(answer)
+        if prefill.kv_transfer_params is None or wants_one_token(ctx.endpoint, ctx.body):
+            for item in self._prefill_alone(ctx, prefill):
+                yield item
             return
 
-        decode_body = dict(ctx.body, kv_transfer_params=kv_transfer_params)
-        flow = (
-            self._decode_streamed(ctx, answer, first_text, prefill.worker, decode_body)
-            if ctx.stream
-            else self._decode_whole(ctx, prefill.worker, decode_body)
-        )
+        decode_body = dict(ctx.body, kv_transfer_params=prefill.kv_transfer_params)
+        if ctx.stream:
+            # The decode leg starts before the first token is sent, so the transfer overlaps it.
+            opening = asyncio.ensure_future(self._open_decode_leg(ctx, decode_body))
+            flow = self._decode_streamed(ctx, prefill, opening)
+        else:
+            flow = self._decode_whole(ctx, prefill.worker, decode_body)
         try:
             async for item in flow:
                 yield item
         finally:
             await flow.aclose()
+
+    def _handoff_worker(self, ctx: RequestContext, prefix: Sequence[int]) -> Worker | None:
+        """The prefill worker to hand a streamed request off from, or None for vLLM's flow:
+        handoffs need a prefill and a decode worker that both take them."""
+        if not ctx.stream or wants_one_token(ctx.endpoint, ctx.body):
+            return None
+        if not any(worker.takes_handoffs for worker in self.pool.available(("decode",))):
+            return None
+        worker = self.prefill_policy.choose(self.pool.available(("prefill",)), prefix)
+        return worker if worker.takes_handoffs else None
+
+    async def _handed_off(
+        self, ctx: RequestContext, prefill_worker: Worker, prefix: Sequence[int]
+    ) -> Flow:
+        """tandem's own flow: the decode leg goes out with the prefill leg and waits on the
+        prefill worker's KV server for the handoff; the decode worker has its blocks ready and
+        loads the KV as soon as the prefill announces it, while the first token travels back
+        through this router. If the chosen prefill worker refuses, vLLM's flow takes over."""
+        self.metrics.handoffs.inc()
+        handoff_id = uuid.uuid4().hex
+        endpoint = prefill_worker.kv_endpoint or {}
+        prefill_body = prefill_leg_body(ctx.body)
+        prefill_body["kv_transfer_params"]["handoff_id"] = handoff_id
+        decode_body = dict(
+            ctx.body,
+            kv_transfer_params={
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "handoff_id": handoff_id,
+                "remote_host": endpoint.get("host"),
+                "remote_port": endpoint.get("port"),
+                "kv_transport": endpoint.get("transport"),
+            },
+        )
+        opening = asyncio.ensure_future(
+            self._open_leg(
+                ctx,
+                "decode",
+                ("decode",),
+                self.decode_policy,
+                decode_body,
+                self._prefill_timeout,  # it answers once the prefill is done
+                accept=lambda worker: worker.takes_handoffs,
+            )
+        )
+        flow: Flow | None = None
+        try:
+            try:
+                prefill = await self._prefill(
+                    ctx, prefill_body, prefix, accept=lambda worker: worker is prefill_worker
+                )
+            except NoWorker:
+                _give_up(opening)
+                flow = self._in_sequence(ctx, prefix)
+            else:
+                if not isinstance(prefill, PrefillAnswer):
+                    _give_up(opening)
+                    for item in prefill:
+                        yield item
+                    return
+                if prefill.kv_transfer_params is None:
+                    _give_up(opening)
+                    for item in self._prefill_alone(ctx, prefill):
+                        yield item
+                    return
+                flow = self._decode_streamed(ctx, prefill, opening)
+            async for item in flow:
+                yield item
+        finally:
+            if flow is not None:
+                await flow.aclose()
+            _give_up(opening)
 
     def _open_decode_leg(self, ctx: RequestContext, decode_body: dict[str, Any]) -> Any:
         return self._open_leg(
@@ -570,21 +684,15 @@ class Proxy:
         return sse_event(chunk)
 
     async def _decode_streamed(
-        self,
-        ctx: RequestContext,
-        answer: dict[str, Any],
-        first_text: str,
-        prefill_worker: Worker,
-        decode_body: dict[str, Any],
+        self, ctx: RequestContext, prefill: PrefillAnswer, opening: asyncio.Future[Leg]
     ) -> Flow:
-        kv_transfer_params = decode_body["kv_transfer_params"]
-        # The decode leg starts before the first token is sent, so the KV transfer overlaps it.
-        opening = asyncio.ensure_future(self._open_decode_leg(ctx, decode_body))
+        """The first token from the prefill answer, then the decode leg `opening` relayed."""
+        first_text = prefill.first_text
         leg: Leg | None = None
         completed = False
         try:
             yield SSE_HEAD
-            yield self._first_chunk(ctx, answer, first_text)
+            yield self._first_chunk(ctx, prefill.answer, first_text)
             try:
                 leg = await opening
             except NoWorker as exc:
@@ -609,13 +717,11 @@ class Proxy:
             completed = leg is not None  # the client left mid-decode: the decode worker aborts
             raise
         finally:
-            if not opening.done():
-                opening.cancel()
-            opening.add_done_callback(_close_opened_leg)
+            _give_up(opening)
             if leg is not None:
                 leg.close()
             if not completed:
-                self._release(prefill_worker, kv_transfer_params)
+                self._release(prefill.worker, prefill.kv_transfer_params)
 
     async def _decode_refusal_event(self, ctx: RequestContext, leg: Leg) -> bytes:
         status = leg.response.status
@@ -674,6 +780,13 @@ def _is_empty(choice: dict[str, Any], endpoint: str) -> bool:
     if endpoint == "completions":
         return not choice.get("text")
     return not any((choice.get("delta") or {}).values())
+
+
+def _give_up(opening: asyncio.Future[Leg]) -> None:
+    """Cancels a leg still opening, and closes it if it opens all the same (which aborts it)."""
+    if not opening.done():
+        opening.cancel()
+    opening.add_done_callback(_close_opened_leg)
 
 
 def _close_opened_leg(task: asyncio.Future[Leg]) -> None:

@@ -20,10 +20,12 @@ claim of health. All state is touched from the router's event loop only.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -44,6 +46,20 @@ class Worker:
     last_heartbeat: float = 0.0
     outstanding: int = 0
     checking: bool = False
+    # tandem workers' /health tells their KV transport and, for a prefill worker, where a decode
+    # worker waits for its handoff announcements; None for other workers (vLLM's, say).
+    kv_endpoint: dict[str, Any] | None = None
+
+    @property
+    def takes_handoffs(self) -> bool:
+        """A decode worker that can wait for a handoff, or a prefill worker that announces
+        them on its KV server."""
+        endpoint = self.kv_endpoint or {}
+        if not endpoint.get("handoff"):
+            return False
+        if self.role == "prefill":
+            return isinstance(endpoint.get("host"), str) and isinstance(endpoint.get("port"), int)
+        return True
 
     def describe(self) -> dict[str, object]:
         return {
@@ -54,6 +70,17 @@ class Worker:
             "healthy": self.healthy,
             "outstanding": self.outstanding,
         }
+
+
+def kv_endpoint_of(health_body: bytes) -> dict[str, Any] | None:
+    """The `kv` object of a tandem worker's /health answer, if the answer has a valid one."""
+    try:
+        endpoint = json.loads(health_body).get("kv")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(endpoint, dict) or not isinstance(endpoint.get("transport"), str):
+        return None
+    return endpoint
 
 
 class WorkerPool:
@@ -193,6 +220,8 @@ class WorkerPool:
         try:
             async with session.get(worker.url + "/health", timeout=timeout) as response:
                 ok = response.status == 200
+                if ok:
+                    worker.kv_endpoint = kv_endpoint_of(await response.read())
             if ok and worker.model is None:
                 async with session.get(worker.url + "/v1/models", timeout=timeout) as response:
                     if response.status == 200:

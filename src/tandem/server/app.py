@@ -44,7 +44,8 @@ class ClientError(Exception):
 class ServerSettings:
     served_model_name: str
     role: str = "both"
-    has_kv_transport: bool = False
+    kv_transport: str | None = None  # tcp | cuda-ipc; None: no KV transfer (a colocated worker)
+    kv_host: str | None = None
 
 
 @dataclass
@@ -85,8 +86,18 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if client.healthy:
-            return JSONResponse({"status": "ok", "role": settings.role})
+            return JSONResponse({"status": "ok", "role": settings.role, "kv": kv_endpoint()})
         return _error("the engine is not running", 503)
+
+    def kv_endpoint() -> dict[str, Any] | None:
+        """What a router needs to hand a decode leg off before the prefill answers: the
+        transport, and where a decode worker waits for this (prefill) worker's announcement."""
+        if settings.kv_transport is None:
+            return None
+        endpoint: dict[str, Any] = {"transport": settings.kv_transport, "handoff": True}
+        if client.info.kv_port is not None:
+            endpoint.update(host=settings.kv_host, port=client.info.kv_port)
+        return endpoint
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -122,7 +133,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             )
         params = body.kv_transfer_params or {}
         if params.get("do_remote_decode") or params.get("do_remote_prefill"):
-            if not settings.has_kv_transport:
+            if settings.kv_transport is None:
                 raise ClientError(
                     "kv_transfer_params need a worker with a KV transport; start it with "
                     "--role prefill or --role decode",
@@ -190,11 +201,15 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
 
     async def respond(raw: Request, body: SamplingFields, starts, writer) -> Response:
         """Streamed: start every prompt before the response head, so admission errors are 4xx.
-        Collected: the client's disconnect cancels everything, the starts included (a prefill
-        leg's whole work happens before its first token)."""
+        The client's disconnect cancels everything, the starts included (a prefill leg's whole
+        work happens before its first token, a handoff's decode leg waits for it)."""
         arrival = time.monotonic()
         if body.stream:
-            streams = await start_all(starts)
+            # Starting may take long (a handoff's first token comes when the prefill is done):
+            # a client that leaves meanwhile aborts it.
+            streams = await until_disconnected(raw, start_all(starts))
+            if streams is None:
+                return Response(status_code=499)
             return StreamingResponse(
                 sse(writer.stream(merge(streams), metrics, arrival)),
                 media_type="text/event-stream",

@@ -29,6 +29,7 @@ from tandem.engine.processor import (
 )
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kv.base import is_pending_handoff
 
 
 class EngineStartError(RuntimeError):
@@ -148,10 +149,15 @@ class AsyncEngineClient:
             raise ValueError(f"n must be at most {max_waiting}, the size of this server's queue")
         if self._num_unstarted + params.n > max_waiting:
             raise QueueFullError(f"{self._num_unstarted} requests are already waiting; retry later")
-        remote_prefill = bool((kv_transfer_params or {}).get("do_remote_prefill"))
-        first_token_id = (kv_transfer_params or {}).get("first_token_id")
+        remote = kv_transfer_params or {}
+        first_token_id = remote.get("first_token_id")
+        # A handoff's first token comes from the engine once the prefill announced it.
+        remote_prefill = bool(remote.get("do_remote_prefill")) and not is_pending_handoff(remote)
         if remote_prefill and first_token_id is None:
-            raise ValueError("kv_transfer_params from a remote prefill must carry first_token_id")
+            raise ValueError(
+                "kv_transfer_params from a remote prefill must carry first_token_id (or a "
+                "handoff_id to wait for)"
+            )
         requests = self.inputs.make_requests(
             request_id, prompt_token_ids, params, kv_transfer_params
         )

@@ -48,7 +48,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     settings = ServerSettings(
         served_model_name=args.served_model_name or config.model,
         role=args.role,
-        has_kv_transport=kv_config is not None,
+        kv_transport=kv_config.transport if kv_config else None,
+        kv_host=kv_config.host if kv_config else None,
     )
     started = {"ok": False}
 
