@@ -10,7 +10,8 @@ Sections (each prints its table; all results go into one JSON file):
              tokens/s and the decode steps' roofline fraction
   transfer   (4) a 10k-token Qwen3-0.6B KV over CUDA IPC (GPU0 -> GPU1), against the copy rate
   latency    (1) input 128 / 1024 / 8192, output 128, one request at a time: `both` on GPU 0
-             against 1 prefill (GPU 0) + 1 decode (GPU 1) behind tandem's router; TTFT, time to
+             against 1 prefill (GPU 0) + 1 decode (GPU 1) behind tandem's router, with the
+             handoff flow and (a second router, --no-handoff) vLLM's; TTFT, time to
              second token, TPOT; greedy output of PD identical to colocated; and the legs
              timed direct from the client (no router), to split PD's extra time between the
              router, the prefill worker's KV bookkeeping and the decode leg
@@ -436,30 +437,42 @@ def latency(limits: dict, log_dir: Path) -> dict:
     urls = {
         "both": "http://127.0.0.1:8301",
         "pd": "http://127.0.0.1:8300",
+        "pd_in_sequence": "http://127.0.0.1:8304",
         "prefill": "http://127.0.0.1:8302",
         "decode": decode_url,
     }
     try:
         for name, port in (("both", 8301), ("prefill", 8302), ("decode", 8303)):
             wait_healthy(f"http://127.0.0.1:{port}", processes[name])
+        pair = ["--prefill", "http://127.0.0.1:8302", "--decode", decode_url]
         processes["router"] = start_process(
-            ["router", "--port", "8300", "--prefill", "http://127.0.0.1:8302",
-             "--decode", decode_url], log_dir / "router.log",
-        )  # fmt: skip
+            ["router", "--port", "8300", *pair], log_dir / "router.log"
+        )
+        processes["router_in_sequence"] = start_process(
+            ["router", "--port", "8304", "--no-handoff", *pair], log_dir / "router-seq.log"
+        )  # vLLM's flow, for comparison
         wait_healthy(urls["pd"], processes["router"])
+        wait_healthy(urls["pd_in_sequence"], processes["router_in_sequence"])
         generator = torch.Generator().manual_seed(0)
         results = {}
         with httpx.Client(timeout=300) as client:
             for num_input in (128, 1024, 8192):
-                runs: dict[str, list[dict]] = {"both": [], "pd": [], "legs": []}
+                paths = ("both", "pd", "pd_in_sequence")
+                runs: dict[str, list[dict]] = {name: [] for name in (*paths, "legs")}
                 for repeat in range(2 + LATENCY_REPEATS):
-                    prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
-                    order = ("both", "pd") if repeat % 2 else ("pd", "both")  # alternate
-                    for name in order:
-                        if name == "pd":
+                    # `both` and the handoff path share a prompt; vLLM's flow gets its own, so
+                    # that no path finds another's prompt in the PD workers' prefix caches.
+                    prompts = [
+                        torch.randint(0, 151000, (num_input,), generator=generator).tolist()
+                        for _ in range(2)
+                    ]
+                    shift = repeat % len(paths)  # rotate which path goes first
+                    for name in paths[shift:] + paths[:shift]:
+                        prompt = prompts[name == "pd_in_sequence"]
+                        if name != "both":
                             before = kv_transfer_seconds_total(client, decode_url)
                         run = stream_once(client, urls[name], prompt, 128)
-                        if name == "pd":
+                        if name != "both":
                             after = kv_transfer_seconds_total(client, decode_url)
                             run["kv_transfer_ms"] = (after - before) * 1e3
                         if repeat >= 2:  # the first two are warm-ups
@@ -479,7 +492,13 @@ def latency(limits: dict, log_dir: Path) -> dict:
                 ]  # each pair ran back to back on the same prompt
                 row["ttft_ratio_min_max"] = [min(ratios), max(ratios)]
                 row["ttft_ratio_median_of_pairs"] = statistics.median(ratios)
-                row["ttst_pd_minus_both_ms"] = row["pd"]["ttst_ms"] - row["both"]["ttst_ms"]
+                for name in ("pd", "pd_in_sequence"):
+                    row[f"ttst_{name}_minus_both_ms"] = (
+                        row[name]["ttst_ms"] - row["both"]["ttst_ms"]
+                    )
+                row["ttft_ratio_in_sequence"] = (
+                    row["pd_in_sequence"]["ttft_ms"] / row["both"]["ttft_ms"]
+                )
                 prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
                 colocated = greedy_token_ids(client, urls["both"], prompt, 64)
                 disaggregated = greedy_token_ids(client, urls["pd"], prompt, 64)

@@ -45,19 +45,16 @@ def cluster(tiny_checkpoints, tmp_path_factory) -> Iterator[dict]:
     log_dir = tmp_path_factory.mktemp("pd-handoff")
     model = str(tiny_checkpoints[CHECKPOINT])
     with running_workers(log_dir, specs, model) as workers:
-        router = start_tandem(
-            log_dir,
-            "router",
-            "--prefill",
-            workers["prefill"].url,
-            "--decode",
-            workers["decode"].url,
-        )
+        pair = ("--prefill", workers["prefill"].url, "--decode", workers["decode"].url)
+        router = start_tandem(log_dir, "router", *pair)
+        in_sequence = start_tandem(log_dir, "router", *pair, "--no-handoff")
         try:
             router.wait_healthy()
-            yield dict(workers, router=router)
+            in_sequence.wait_healthy()
+            yield dict(workers, router=router, in_sequence=in_sequence)
         finally:
             router.stop()
+            in_sequence.stop()
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +170,13 @@ def test_streamed_requests_through_the_router_are_handed_off(client, cluster, sa
     )
     assert metric(router, "tandem_router_handoffs_total") - before == len(PROMPTS)
     assert_nothing_held(cluster["prefill"], cluster["decode"])
+
+
+def test_a_router_told_no_handoff_sends_the_legs_in_sequence(client, cluster):
+    router = cluster["in_sequence"]
+    body = {"prompt": PROMPTS[4], "max_tokens": 6, "temperature": 0.0, "stream": True}
+    assert post(client, router.url + PATH, with_defaults(body)) == run_direct(
+        client, cluster["both"].url, PATH, body
+    )
+    assert metric(router, "tandem_router_handoffs_total") == 0
+    assert metric(router, "tandem_router_requests_total") == 1

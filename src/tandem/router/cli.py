@@ -56,6 +56,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="prefix-aware routing: how many more requests in flight a cache hit may have than "
         "the least loaded worker",
     )
+    policies.add_argument(
+        "--no-handoff",
+        action="store_true",
+        help="send every decode leg after its prefill leg (vLLM's flow), even to workers that "
+        "take handoffs",
+    )
     security = parser.add_argument_group("security")
     security.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     security.add_argument(
@@ -125,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         heartbeat_timeout_s=args.heartbeat_timeout,
         prefix_block_chars=args.prefix_block_chars,
         prefix_balance_threshold=args.prefix_balance_threshold,
+        handoff=not args.no_handoff,
         log_level=args.log_level,
     )
 

@@ -51,6 +51,8 @@ class RouterConfig:
     # and how many more outstanding requests a cache hit may have than the least loaded worker.
     prefix_block_chars: int = 64
     prefix_balance_threshold: int = 16
+    # Streamed PD requests send both legs at once where the workers take handoffs.
+    handoff: bool = True
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -531,7 +531,7 @@ class Proxy:
     def _handoff_worker(self, ctx: RequestContext, prefix: Sequence[int]) -> Worker | None:
         """The prefill worker to hand a streamed request off from, or None for vLLM's flow:
         handoffs need a prefill and a decode worker that both take them."""
-        if not ctx.stream or wants_one_token(ctx.endpoint, ctx.body):
+        if not (self.config.handoff and ctx.stream) or wants_one_token(ctx.endpoint, ctx.body):
             return None
         if not any(worker.takes_handoffs for worker in self.pool.available(("decode",))):
             return None
