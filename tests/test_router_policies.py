@@ -133,3 +133,55 @@ def test_sse_events_are_split_however_the_bytes_arrive():
     expected = [b'{"a": 1}', b"line one\nline two", b"[DONE]"]
     for chunk_size in (1, 3, 7, len(stream)):
         assert asyncio.run(collect(chunk_size)) == expected
+
+
+def handoff_proxy(prefill_policy: str, endpoints: dict[str, dict | None]):
+    """A proxy over workers whose health checks passed with these /health `kv` objects."""
+    from tandem.router.config import RouterConfig
+    from tandem.router.metrics import RouterMetrics
+    from tandem.router.proxy import Proxy
+    from tandem.router.workers import WorkerPool
+
+    prefill = [url for url in endpoints if "prefill" in url]
+    decode = [url for url in endpoints if "decode" in url]
+    config = RouterConfig(
+        prefill_urls=tuple(prefill), decode_urls=tuple(decode), prefill_policy=prefill_policy
+    )
+    metrics = RouterMetrics()
+    pool = WorkerPool(config, metrics)
+    for worker in pool._workers.values():
+        worker.healthy = True
+        worker.kv_endpoint = endpoints[worker.url]
+    return Proxy(config, pool, metrics)
+
+
+def stream_context():
+    from tandem.router.proxy import RequestContext
+
+    return RequestContext("completions", {"prompt": "hi", "stream": True}, "id", True)
+
+
+TCP_PREFILL = {"transport": "tcp", "handoff": True, "host": "127.0.0.1", "port": 9000}
+
+
+def test_the_handoff_prefill_worker_follows_the_prefill_policy():
+    endpoints = {
+        "http://prefill-a": TCP_PREFILL,
+        "http://prefill-b": TCP_PREFILL,
+        "http://decode-a": {"transport": "tcp", "handoff": True},
+    }
+    proxy = handoff_proxy("round-robin", endpoints)
+    chosen = [proxy._handoff_worker(stream_context(), []).url for _ in range(4)]
+    assert chosen == ["http://prefill-a", "http://prefill-b"] * 2
+
+
+def test_no_handoff_unless_every_prefill_worker_has_a_decode_worker_on_its_transport():
+    endpoints = {
+        "http://prefill-a": TCP_PREFILL,
+        "http://decode-a": {"transport": "cuda-ipc", "handoff": True},
+        "http://decode-b": None,  # a worker whose /health says nothing about KV (vLLM's)
+    }
+    assert handoff_proxy("round-robin", endpoints)._handoff_worker(stream_context(), []) is None
+    endpoints["http://decode-c"] = {"transport": "tcp", "handoff": True}
+    endpoints["http://prefill-b"] = None
+    assert handoff_proxy("round-robin", endpoints)._handoff_worker(stream_context(), []) is None

@@ -76,6 +76,13 @@ class Policy(ABC):
         """One of `candidates` (never empty); `prefix` is empty unless `uses_prefix`."""
 
 
+class PinnedPolicy(Policy):
+    """For a leg whose worker was already chosen: the one candidate left, no bookkeeping."""
+
+    def choose(self, candidates: Sequence[Worker], prefix: Sequence[int]) -> Worker:
+        return candidates[0]
+
+
 class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._turn = 0

@@ -8,6 +8,11 @@ Disaggregated (a prefill and a decode worker in the pool, one prompt, n == 1):
                   └──(2) decode leg: client body + kv_transfer_params ──▶ decode ──▶ relayed to
                          the client with the first len(first_text) characters skipped
 
+Handoff (streamed, and tandem workers on both sides): the decode leg goes out together with the
+prefill leg, carrying a handoff id; the decode worker waits on the prefill worker's KV server
+for the prefill's announcement instead of for the router (docs/protocol.md). The client sees the
+same stream.
+
 Plain (n > 1, batch prompts, or no prefill/decode pair): the body goes unchanged to a decode or
 `both` worker and its answer is relayed.
 
@@ -41,7 +46,13 @@ import msgspec
 
 from tandem.router.config import Role, RouterConfig
 from tandem.router.metrics import RouterMetrics
-from tandem.router.policies import Policy, make_policy, prefix_hashes, prompt_units
+from tandem.router.policies import (
+    PinnedPolicy,
+    Policy,
+    make_policy,
+    prefix_hashes,
+    prompt_units,
+)
 from tandem.router.relay import (
     JSON_HEAD,
     SSE_HEAD,
@@ -450,25 +461,26 @@ class Proxy:
         ctx: RequestContext,
         body: dict[str, Any],
         prefix: Sequence[int],
-        accept: Callable[[Worker], bool] | None = None,
+        pinned: Worker | None = None,
     ) -> PrefillAnswer | tuple[ResponseHead, bytes]:
         """Runs the prefill leg: its parsed answer, or what to answer the client instead. With
-        `accept`, NoWorker is raised rather than answered."""
+        a `pinned` worker (chosen already), only that one is tried, and NoWorker is raised
+        rather than answered."""
         try:
             with waiting_on_workers(ctx):
                 prefill = await self._open_leg(
                     ctx,
                     "prefill",
                     ("prefill",),
-                    self.prefill_policy,
+                    self.prefill_policy if pinned is None else PinnedPolicy(),
                     body,
                     self._prefill_timeout,
                     prefix,
-                    accept,
+                    None if pinned is None else (lambda worker: worker is pinned),
                 )
                 data = await self._read_leg(prefill)
         except NoWorker as exc:
-            if accept is not None:
+            if pinned is not None:
                 raise
             return self._refusal(ctx, 503, str(exc), "no_worker", "no_worker")
         except (LegTimeout, asyncio.TimeoutError) as exc:
@@ -530,13 +542,17 @@ class Proxy:
 
     def _handoff_worker(self, ctx: RequestContext, prefix: Sequence[int]) -> Worker | None:
         """The prefill worker to hand a streamed request off from, or None for vLLM's flow:
-        handoffs need a prefill and a decode worker that both take them."""
+        handoffs need prefill workers and decode workers that take them over one transport."""
         if not (self.config.handoff and ctx.stream) or wants_one_token(ctx.endpoint, ctx.body):
             return None
-        if not any(worker.takes_handoffs for worker in self.pool.available(("decode",))):
+        # Every prefill worker must qualify: the policy chooses once, for whichever flow runs.
+        prefills, decoders = self.pool.available(("prefill",)), self.pool.available(("decode",))
+        if not all(
+            worker.takes_handoffs and any(_can_wait_on(decoder, worker) for decoder in decoders)
+            for worker in prefills
+        ):
             return None
-        worker = self.prefill_policy.choose(self.pool.available(("prefill",)), prefix)
-        return worker if worker.takes_handoffs else None
+        return self.prefill_policy.choose(prefills, prefix)
 
     async def _handed_off(
         self, ctx: RequestContext, prefill_worker: Worker, prefix: Sequence[int]
@@ -569,15 +585,13 @@ class Proxy:
                 self.decode_policy,
                 decode_body,
                 self._prefill_timeout,  # it answers once the prefill is done
-                accept=lambda worker: worker.takes_handoffs,
+                accept=lambda worker: _can_wait_on(worker, prefill_worker),
             )
         )
         flow: Flow | None = None
         try:
             try:
-                prefill = await self._prefill(
-                    ctx, prefill_body, prefix, accept=lambda worker: worker is prefill_worker
-                )
+                prefill = await self._prefill(ctx, prefill_body, prefix, pinned=prefill_worker)
             except NoWorker:
                 _give_up(opening)
                 flow = self._in_sequence(ctx, prefix)
@@ -780,6 +794,15 @@ def _is_empty(choice: dict[str, Any], endpoint: str) -> bool:
     if endpoint == "completions":
         return not choice.get("text")
     return not any((choice.get("delta") or {}).values())
+
+
+def _can_wait_on(decode_worker: Worker, prefill_worker: Worker) -> bool:
+    """Whether the decode worker takes handoffs over the prefill worker's KV transport."""
+    transport = (prefill_worker.kv_endpoint or {}).get("transport")
+    return (
+        decode_worker.takes_handoffs
+        and (decode_worker.kv_endpoint or {}).get("transport") == transport
+    )
 
 
 def _give_up(opening: asyncio.Future[Leg]) -> None:
