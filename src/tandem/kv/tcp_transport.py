@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import msgspec
 import torch
@@ -578,8 +578,7 @@ class TcpKVClient(TransportClient):
             header = bytearray(_HEADER.size)
             message_type, _, length = _recv_header_waiting(connection, header, deadline, cancelled)
             if message_type == _ERROR:
-                error = self._decode_error(connection, length, deadline)
-                raise KVTransferError(error.kind, error.message)  # type: ignore[arg-type]
+                self._raise_error_reply(connection, length, deadline)
             if message_type != _ANNOUNCE:
                 raise _ProtocolError(f"expected ANNOUNCE, got message type {message_type}")
             return _announcement_decoder.decode(_recv_control(connection, length, deadline))
@@ -597,9 +596,7 @@ class TcpKVClient(TransportClient):
         release_only: bool,
     ) -> None:
         def exchange(connection: socket.socket, deadline: float) -> None:
-            error = self._exchange(connection, transfer_id, views, deadline, on_layer, release_only)
-            if error is not None:
-                raise KVTransferError(error.kind, error.message)  # type: ignore[arg-type]
+            self._exchange(connection, transfer_id, views, deadline, on_layer, release_only)
 
         self._with_connection(host, port, f"fetch of {transfer_id!r}", timeout, exchange)
 
@@ -655,8 +652,9 @@ class TcpKVClient(TransportClient):
         deadline: float,
         on_layer: Callable[[int], None] | None,
         release_only: bool = False,
-    ) -> _ErrorReply | None:
-        """Run one fetch on the connection: None on DONE, the server's ERROR reply otherwise."""
+    ) -> None:
+        """Run one fetch on the connection until DONE; the server's ERROR reply is raised as a
+        KVTransferError."""
         request = _encoder.encode(
             _FetchRequest(transfer_id, [len(view) for view in views], release_only)
         )
@@ -664,11 +662,12 @@ class TcpKVClient(TransportClient):
         _send_message(connection, _FETCH, request)
         header = bytearray(_HEADER.size)
         if release_only:
-            return self._await_done(connection, header, deadline)
+            self._await_done(connection, header, deadline)
+            return
         for index, view in enumerate(views):
             message_type, layer, length = self._recv_reply(connection, header, deadline)
             if message_type == _ERROR:
-                return self._decode_error(connection, length, deadline)
+                self._raise_error_reply(connection, length, deadline)
             if message_type != _LAYER or layer != index or length != len(view):
                 raise _ProtocolError(
                     f"expected layer {index} of {len(view)} bytes, got message type "
@@ -679,17 +678,14 @@ class TcpKVClient(TransportClient):
                 on_layer(index)
         connection.settimeout(max(deadline - time.monotonic(), 1e-3))
         _send_message(connection, _CONFIRM)
-        return self._await_done(connection, header, deadline)
+        self._await_done(connection, header, deadline)
 
-    def _await_done(
-        self, connection: socket.socket, header: bytearray, deadline: float
-    ) -> _ErrorReply | None:
+    def _await_done(self, connection: socket.socket, header: bytearray, deadline: float) -> None:
         message_type, _, length = self._recv_reply(connection, header, deadline)
         if message_type == _ERROR:
-            return self._decode_error(connection, length, deadline)
+            self._raise_error_reply(connection, length, deadline)
         if message_type != _DONE or length != 0:
             raise _ProtocolError(f"expected DONE, got message type {message_type}")
-        return None
 
     @staticmethod
     def _recv_reply(
@@ -701,11 +697,12 @@ class TcpKVClient(TransportClient):
         return message
 
     @staticmethod
-    def _decode_error(connection: socket.socket, length: int, deadline: float) -> _ErrorReply:
+    def _raise_error_reply(connection: socket.socket, length: int, deadline: float) -> NoReturn:
+        """Read the server's ERROR reply and raise it (the connection stays usable)."""
         error = _error_decoder.decode(_recv_control(connection, length, deadline))
         if error.kind not in TRANSFER_ERROR_KINDS:
             raise _ProtocolError(f"unknown error kind {error.kind!r}")
-        return error
+        raise KVTransferError(error.kind, error.message)  # type: ignore[arg-type]
 
     def _checkout(self, peer: tuple[str, int], deadline: float) -> socket.socket:
         """An idle live connection to the peer, or a new one."""
