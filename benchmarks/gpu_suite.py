@@ -367,16 +367,14 @@ def greedy_token_ids(client, url: str, prompt: list[int], max_tokens: int) -> li
     return answer["choices"][0]["token_ids"]
 
 
-def kv_transfer_seconds_total(client, url: str) -> float:
-    """The decode worker's tandem_kv_transfer_seconds_sum (time spent loading remote KV)."""
+def metric_total(client, url: str, name: str) -> float:
+    """A metric sample of a worker or router, summed over its labels (e.g. the decode worker's
+    tandem_kv_transfer_seconds_sum: time spent loading remote KV)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     families = text_string_to_metric_families(client.get(f"{url}/metrics").text)
     return sum(
-        sample.value
-        for family in families
-        for sample in family.samples
-        if sample.name == "tandem_kv_transfer_seconds_sum"
+        sample.value for family in families for sample in family.samples if sample.name == name
     )
 
 
@@ -417,7 +415,6 @@ LATENCY_REPEATS = 30  # measured requests per input length and path, after 2 war
 
 def latency(limits: dict, log_dir: Path) -> dict:
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     common = [
         "--model", "qwen3-0.6b", "--load-format", "dummy", "--host", "127.0.0.1",
@@ -470,10 +467,14 @@ def latency(limits: dict, log_dir: Path) -> dict:
                     for name in paths[shift:] + paths[:shift]:
                         prompt = prompts[name == "pd_in_sequence"]
                         if name != "both":
-                            before = kv_transfer_seconds_total(client, decode_url)
+                            before = metric_total(
+                                client, decode_url, "tandem_kv_transfer_seconds_sum"
+                            )
                         run = stream_once(client, urls[name], prompt, 128)
                         if name != "both":
-                            after = kv_transfer_seconds_total(client, decode_url)
+                            after = metric_total(
+                                client, decode_url, "tandem_kv_transfer_seconds_sum"
+                            )
                             run["kv_transfer_ms"] = (after - before) * 1e3
                         if repeat >= 2:  # the first two are warm-ups
                             runs[name].append(run)
@@ -504,14 +505,10 @@ def latency(limits: dict, log_dir: Path) -> dict:
                 disaggregated = greedy_token_ids(client, urls["pd"], prompt, 64)
                 row["pd_identical_to_both"] = colocated == disaggregated
                 results[str(num_input)] = row
-            results["router_handoffs"] = sum(
-                sample.value
-                for family in text_string_to_metric_families(
-                    client.get(f"{urls['pd']}/metrics").text
-                )
-                for sample in family.samples
-                if sample.name == "tandem_router_handoffs_total"
-            )  # streamed PD requests that went through the handoff flow
+            # streamed PD requests that went through the handoff flow
+            results["router_handoffs"] = metric_total(
+                client, urls["pd"], "tandem_router_handoffs_total"
+            )
         return results
     finally:
         for process in processes.values():
@@ -570,8 +567,8 @@ def main() -> None:
         except Exception as exc:
             results["latency"] = {"error": repr(exc)}
         print("\n== latency (ms)")
-        for num_input, row in results["latency"].items():
-            print(f"  input {num_input}: {json.dumps(row)}")
+        for key, row in results["latency"].items():
+            print(f"  {'input ' + key if key.isdigit() else key}: {json.dumps(row)}")
     args.out.write_text(json.dumps(results, indent=2))
 
 

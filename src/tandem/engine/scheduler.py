@@ -256,17 +256,16 @@ class Scheduler:
             if request_id in self.held_for_remote:
                 self.held_for_remote.discard(request_id)
                 self.kv.free(request_id)
-        for request_id in connector_output.finished_recving:
+        # A handoff's first token comes with its load's report, whatever the load's outcome; a
+        # request it ends leaves waiting_for_remote here.
+        for request_id, handed_off in connector_output.first_tokens.items():
             request = self.waiting_for_remote.get(request_id)
+            if request is not None:
+                outputs.append(self._take_handed_off_token(request, handed_off))
+        for request_id in connector_output.finished_recving:
+            request = self.waiting_for_remote.pop(request_id, None)
             if request is None:
                 continue
-            handed_off = connector_output.first_tokens.get(request_id)
-            if handed_off is not None:
-                output = self._take_handed_off_token(request, handed_off)
-                outputs.append(output)
-                if output.finish_reason is not None:
-                    continue
-            del self.waiting_for_remote[request_id]
             request.num_computed_tokens = request.num_tokens - 1
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
@@ -274,15 +273,11 @@ class Scheduler:
             request = self.waiting_for_remote.get(request_id)
             if request is None:
                 continue
-            handed_off = connector_output.first_tokens.get(request_id)
-            if handed_off is not None:  # the announcement came, the bytes did not
-                output = self._take_handed_off_token(request, handed_off)
-                outputs.append(output)
-                if output.finish_reason is not None:
-                    continue
             # Recomputing needs the first token the client was sent: a handoff whose prefill
             # never announced one cannot be recomputed without risking a different one.
-            unannounced = handed_off is None and is_pending_handoff(request.kv_transfer_params)
+            unannounced = request_id not in connector_output.first_tokens and is_pending_handoff(
+                request.kv_transfer_params
+            )
             if self.connector.recompute_on_failure and not unannounced:
                 # Start over as after a preemption: the blocks the load was to fill hold nothing
                 # valid, and a retry with prefix hits must get a block table that starts with them.

@@ -228,17 +228,17 @@ class PDConnector(KVConnector):
             return False, None
         lease.deadline = time.monotonic() + self.config.lease_timeout_s
         params = self._transfer_params(request, block_ids)
-        self._announce(request, params)
+        if (handoff_id := self._handoff_id(request)) is not None:
+            self.server.announce(handoff_id, params)
         return True, params
 
     def _transfer_params(self, request: Request, block_ids: list[int]) -> dict[str, Any]:
         num_blocks = cdiv(request.num_prompt_tokens, self.block_size)
-        request_id = request.request_id
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
-            "remote_request_id": request_id,
+            "remote_request_id": request.request_id,
             "remote_block_ids": block_ids[:num_blocks],
             "remote_host": self.config.host,
             "remote_port": self.server.port,
@@ -251,15 +251,19 @@ class PDConnector(KVConnector):
             "kv_ipc_handle": self.ipc_handle,
         }
 
-    def _announce(self, request: Request, message: dict[str, Any]) -> None:
-        """Prefill side: tell a decode worker waiting on the request's handoff (if any)."""
+    def _handoff_id(self, request: Request) -> str | None:
+        """Prefill side: the id a decode worker waits on for this request, if one does."""
         params = transport_params(request)
-        if self.server is not None and params.get("do_remote_decode") and params.get("handoff_id"):
-            self.server.announce(params["handoff_id"], message)
+        if self.server is None or not params.get("do_remote_decode"):
+            return None
+        return params.get("handoff_id")
 
     def _announce_no_transfer(self, request: Request) -> None:
         """A prefill that ends without KV to hand off: its first token if that token ended the
         request, or why it gave up."""
+        handoff_id = self._handoff_id(request)
+        if handoff_id is None:
+            return
         if request.status == RequestStatus.FINISHED_STOPPED and request.num_output_tokens == 1:
             message = {
                 "first_token_id": request.output_token_ids[0],
@@ -268,7 +272,7 @@ class PDConnector(KVConnector):
             }
         else:
             message = {"error": f"the prefill ended without its KV ({request.status.value})"}
-        self._announce(request, message)
+        self.server.announce(handoff_id, message)
 
     @property
     def kv_layout(self) -> str:
