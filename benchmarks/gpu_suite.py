@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -307,6 +308,21 @@ def start_process(args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
+def stop_processes(processes: Iterable[subprocess.Popen]) -> None:
+    """SIGTERM to each process group, SIGKILL to those still there after 20 s."""
+    processes = list(processes)
+    for process in processes:
+        try:
+            os.killpg(process.pid, 15)
+        except ProcessLookupError:
+            pass
+    for process in processes:
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+
+
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
     import httpx
 
@@ -367,15 +383,49 @@ def greedy_token_ids(client, url: str, prompt: list[int], max_tokens: int) -> li
     return answer["choices"][0]["token_ids"]
 
 
-def metric_total(client, url: str, name: str) -> float:
-    """A metric sample of a worker or router, summed over its labels (e.g. the decode worker's
-    tandem_kv_transfer_seconds_sum: time spent loading remote KV)."""
+def metric_totals(client, url: str, names: Iterable[str]) -> dict[str, float]:
+    """Metric samples of a worker or router, each summed over its labels (e.g. the decode
+    worker's tandem_kv_transfer_seconds_sum: time spent loading remote KV)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    families = text_string_to_metric_families(client.get(f"{url}/metrics").text)
-    return sum(
-        sample.value for family in families for sample in family.samples if sample.name == name
-    )
+    totals = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(client.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals
+
+
+WORKER_TTFT = "tandem_time_to_first_token_seconds_sum"
+# What each path's servers record of one request (seconds, summed): the worker's own TTFT (from
+# its HTTP handler's start to the first token out of its engine), the router's TTFT and the time
+# it adds itself (waiting on workers excluded), the decode worker's KV load.
+SERVER_TIMES = {
+    "both": {"both": {WORKER_TTFT: "worker_ttft_ms"}},
+    **{
+        path: {
+            path: {
+                "tandem_router_ttft_seconds_sum": "router_ttft_ms",
+                "tandem_router_added_seconds_sum": "router_added_ms",
+            },
+            "prefill": {WORKER_TTFT: "prefill_worker_ttft_ms"},
+            "decode": {
+                WORKER_TTFT: "decode_worker_ttft_ms",
+                "tandem_kv_transfer_seconds_sum": "kv_transfer_ms",
+            },
+        }
+        for path in ("pd", "pd_in_sequence")
+    },
+}
+
+
+def server_times(client, urls: dict[str, str], path: str) -> dict[str, float]:
+    """The totals SERVER_TIMES names for `path`, read from each server's /metrics."""
+    times = {}
+    for server, names in SERVER_TIMES[path].items():
+        totals = metric_totals(client, urls[server], names)
+        times.update({label: totals[name] for name, label in names.items()})
+    return times
 
 
 def direct_legs(client, urls: dict[str, str], prompt: list[int]) -> dict:
@@ -466,16 +516,10 @@ def latency(limits: dict, log_dir: Path) -> dict:
                     shift = repeat % len(paths)  # rotate which path goes first
                     for name in paths[shift:] + paths[:shift]:
                         prompt = prompts[name == "pd_in_sequence"]
-                        if name != "both":
-                            before = metric_total(
-                                client, decode_url, "tandem_kv_transfer_seconds_sum"
-                            )
+                        before = server_times(client, urls, name)
                         run = stream_once(client, urls[name], prompt, 128)
-                        if name != "both":
-                            after = metric_total(
-                                client, decode_url, "tandem_kv_transfer_seconds_sum"
-                            )
-                            run["kv_transfer_ms"] = (after - before) * 1e3
+                        after = server_times(client, urls, name)
+                        run.update({key: (after[key] - before[key]) * 1e3 for key in after})
                         if repeat >= 2:  # the first two are warm-ups
                             runs[name].append(run)
                     prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
@@ -506,21 +550,11 @@ def latency(limits: dict, log_dir: Path) -> dict:
                 row["pd_identical_to_both"] = colocated == disaggregated
                 results[str(num_input)] = row
             # streamed PD requests that went through the handoff flow
-            results["router_handoffs"] = metric_total(
-                client, urls["pd"], "tandem_router_handoffs_total"
-            )
+            handoffs = "tandem_router_handoffs_total"
+            results["router_handoffs"] = metric_totals(client, urls["pd"], [handoffs])[handoffs]
         return results
     finally:
-        for process in processes.values():
-            try:
-                os.killpg(process.pid, 15)
-            except ProcessLookupError:
-                pass
-        for process in processes.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
+        stop_processes(processes.values())
 
 
 def print_table(title: str, rows: dict) -> None:
