@@ -25,6 +25,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-waiting", type=int, default=1024)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    group.add_argument(
+        "--busy-poll-s",
+        type=float,
+        default=None,
+        help="seconds the engine loop keeps polling without sleeping after its last work, so "
+        "that the next request finds its CPU core awake (default: 2 on CUDA, 0 on CPU)",
+    )
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -48,6 +55,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        busy_poll_s=args.busy_poll_s,
         seed=args.seed,
     )
 

@@ -11,6 +11,10 @@ import torch
 
 from tandem import DEFAULT_MODEL
 
+# A CPU core left to sleep between requests can take up to twice the host time over the next
+# eager prefill step, which on a GPU is mostly host time (kernel launches).
+BUSY_POLL_CUDA_S = 2.0
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,6 +35,9 @@ class EngineConfig:
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs for decode
+    # How long the engine loop keeps polling without sleeping after it last had work (seconds);
+    # None: BUSY_POLL_CUDA_S on CUDA, 0 on CPU (where the step needs every core).
+    busy_poll_s: float | None = None
     seed: int = 0
 
     def resolved(self) -> EngineConfig:
@@ -54,7 +61,14 @@ class EngineConfig:
             raise ValueError("block_size must be a power of two")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        return replace(self, device=device, dtype=dtype, attention_backend=backend)
+        busy_poll_s = self.busy_poll_s
+        if busy_poll_s is None:
+            busy_poll_s = 0.0 if device == "cpu" else BUSY_POLL_CUDA_S
+        if busy_poll_s < 0:
+            raise ValueError("busy_poll_s must be 0 or more")
+        return replace(
+            self, device=device, dtype=dtype, attention_backend=backend, busy_poll_s=busy_poll_s
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
