@@ -16,9 +16,8 @@ import httpx
 import torch
 
 # benchmarks/ is on sys.path when this script runs
-from gpu_suite import metric_totals, start_process, stop_processes, wait_healthy
+from gpu_suite import WORKER_TTFT, metric_totals, start_process, stop_processes, wait_healthy
 
-WORKER_TTFT = "tandem_time_to_first_token_seconds_sum"
 WORKERS = {"sleeps": ("8601", ["--busy-poll-s", "0"]), "busy polls": ("8602", [])}
 COMMON = [
     "--model", "qwen3-0.6b", "--load-format", "dummy", "--host", "127.0.0.1",
