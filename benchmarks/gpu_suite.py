@@ -491,7 +491,9 @@ def latency(limits: dict, log_dir: Path) -> dict:
     try:
         for name, port in (("both", 8301), ("prefill", 8302), ("decode", 8303)):
             wait_healthy(f"http://127.0.0.1:{port}", processes[name])
-        pair = ["--prefill", "http://127.0.0.1:8302", "--decode", decode_url]
+        # The routers keep their loop awake between requests, as `tandem serve` starts them
+        # in front of CUDA workers (whose loops do so by default).
+        pair = ["--prefill", "http://127.0.0.1:8302", "--decode", decode_url, "--busy-poll-s", "2"]
         processes["router"] = start_process(
             ["router", "--port", "8300", *pair], log_dir / "router.log"
         )

@@ -142,8 +142,10 @@ def test_planned_commands_follow_the_worker_cli_and_place_gpus():
     assert plans[-1].argv == (
         "py", "-m", "tandem.cli", "router", "--host", "127.0.0.1", "--port", "7000",
         "--prefill", "http://127.0.0.1:7100", "--decode", "http://127.0.0.1:7101",
-        "--worker", "http://127.0.0.1:7102",
+        "--worker", "http://127.0.0.1:7102", "--busy-poll-s", "2.0",
     )  # fmt: skip
+    cpu_router = plan_processes(spec, "cpu", num_gpus=0, python="py")[-1]
+    assert "--busy-poll-s" not in cpu_router.argv  # a CPU cluster needs every core for its steps
 
 
 @pytest.mark.parametrize(

@@ -29,8 +29,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--busy-poll-s",
         type=float,
         default=None,
-        help="seconds the engine loop keeps polling without sleeping after its last work, so "
-        "that the next request finds its CPU core awake (default: 2 on CUDA, 0 on CPU)",
+        help="seconds the engine loop (and a worker's HTTP server loop) keeps polling without "
+        "sleeping after its last work, so that the next request finds its CPU core awake "
+        "(default: 2 on CUDA, 0 on CPU)",
     )
     group.add_argument("--seed", type=int, default=0)
 

@@ -35,8 +35,9 @@ class EngineConfig:
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs for decode
-    # How long the engine loop keeps polling without sleeping after it last had work (seconds);
-    # None: BUSY_POLL_CUDA_S on CUDA, 0 on CPU (where the step needs every core).
+    # How long the engine loop (and a worker's HTTP server loop) keeps polling without sleeping
+    # after it last had work (seconds); None: BUSY_POLL_CUDA_S on CUDA, 0 on CPU (where the step
+    # needs every core).
     busy_poll_s: float | None = None
     seed: int = 0
 
@@ -61,14 +62,21 @@ class EngineConfig:
             raise ValueError("block_size must be a power of two")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        busy_poll_s = self.busy_poll_s
-        if busy_poll_s is None:
-            busy_poll_s = 0.0 if device == "cpu" else BUSY_POLL_CUDA_S
+        busy_poll_s = self.busy_poll_seconds(device)
         if busy_poll_s < 0:
             raise ValueError("busy_poll_s must be 0 or more")
         return replace(
             self, device=device, dtype=dtype, attention_backend=backend, busy_poll_s=busy_poll_s
         )
+
+    def busy_poll_seconds(self, device: str | None = None) -> float:
+        """busy_poll_s with None replaced by the default of `device` (default: this config's),
+        without creating a CUDA context."""
+        if self.busy_poll_s is not None:
+            return self.busy_poll_s
+        device = device or self.device
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        return 0.0 if on_cpu else BUSY_POLL_CUDA_S
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -104,6 +104,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULTS.heartbeat_timeout_s,
         help="a registered worker silent this long leaves the pool",
     )
+    timing.add_argument(
+        "--busy-poll-s",
+        type=float,
+        default=DEFAULTS.busy_poll_s,
+        help="seconds the router's loop keeps polling without sleeping after its last request, "
+        "so that the next one (and each worker's answer) finds its CPU core awake; costs a core "
+        "while it polls (default: 0, off; `tandem serve` turns it on with CUDA workers)",
+    )
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
@@ -132,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefix_block_chars=args.prefix_block_chars,
         prefix_balance_threshold=args.prefix_balance_threshold,
         handoff=not args.no_handoff,
+        busy_poll_s=args.busy_poll_s,
         log_level=args.log_level,
     )
 
@@ -141,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from tandem.keep_awake import KeepAwake
     from tandem.router.app import create_app
 
     config = config_from_args(args)
@@ -148,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     uvicorn.run(
-        create_app(config),
+        KeepAwake(create_app(config), config.busy_poll_s),
         host=config.host,
         port=config.port,
         log_level=config.log_level,

@@ -53,6 +53,8 @@ class RouterConfig:
     prefix_balance_threshold: int = 16
     # Streamed PD requests send both legs at once where the workers take handoffs.
     handoff: bool = True
+    # How long the router's loop keeps polling without sleeping after its last request (0: off).
+    busy_poll_s: float = 0.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -63,5 +65,7 @@ class RouterConfig:
             raise ValueError(f"unknown prefill policy {self.prefill_policy!r}")
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"unknown decode policy {self.decode_policy!r}")
+        if self.busy_poll_s < 0:
+            raise ValueError("busy_poll_s must be 0 or more")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")

@@ -16,6 +16,7 @@ import sys
 import uvicorn
 
 from tandem.engine.config import EngineConfig
+from tandem.keep_awake import KeepAwake
 from tandem.kv.config import KVTransferConfig
 from tandem.server.app import ServerSettings, build_app
 from tandem.server.engine_client import AsyncEngineClient, EngineStartError
@@ -87,7 +88,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     app.router.lifespan_context = lifespan
     server = uvicorn.Server(
         uvicorn.Config(
-            app,
+            KeepAwake(app, config.busy_poll_seconds()),
             host=args.host,
             port=args.port,
             log_level="warning",
