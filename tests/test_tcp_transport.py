@@ -551,6 +551,52 @@ def test_a_handoff_announced_while_the_decode_waits_arrives_at_once(make_server,
     assert server.connections_accepted == 1
 
 
+def test_the_announcing_thread_sends_to_a_waiting_decode_itself(make_server, client, monkeypatch):
+    """An announcement for a decode worker that already waits goes out from the thread that
+    announces (the engine's), not through the connection's thread; one announced before the
+    wait is sent by the connection's thread when the wait arrives. Either way it is sent once,
+    and the connection serves the client's next request."""
+    from tandem.kv import tcp_transport
+
+    senders: list[str] = []  # the threads that sent an ANNOUNCE
+    send = tcp_transport._send_message
+
+    def recording_send(sock, message_type, payload=b""):
+        if message_type == tcp_transport._ANNOUNCE:
+            senders.append(threading.current_thread().name)
+        send(sock, message_type, payload)
+
+    monkeypatch.setattr(tcp_transport, "_send_message", recording_send)
+    server, _ = make_server()
+    received: list[dict] = []
+    waiter = threading.Thread(
+        target=lambda: received.append(
+            client.await_announcement("127.0.0.1", server.port, "h", timeout=5.0)
+        )
+    )
+    waiter.start()
+    deadline = time.monotonic() + 5.0
+    while not server._handoffs.get("h") or server._handoffs["h"].waiter is None:
+        assert time.monotonic() < deadline, "the wait did not reach the server"
+        time.sleep(0.01)
+    server.announce("h", {"first_token_id": 7})
+    waiter.join(5.0)
+    assert received == [{"first_token_id": 7}]
+    assert senders == [threading.current_thread().name]
+
+    senders.clear()
+    server.announce("early", {"first_token_id": 8})
+    assert client.await_announcement("127.0.0.1", server.port, "early", timeout=5.0) == {
+        "first_token_id": 8
+    }
+    assert len(senders) == 1 and senders[0] != threading.current_thread().name
+    server.publish("t", [torch.arange(4, dtype=torch.float32)])
+    out = torch.empty(4)
+    client.fetch("127.0.0.1", server.port, "t", [out], timeout=5.0)
+    assert torch.equal(out, torch.arange(4, dtype=torch.float32))
+    assert server.connections_accepted == 1
+
+
 def test_a_handoff_announced_before_the_wait_is_kept_for_it(make_server, client):
     server, _ = make_server()
     server.announce("early", {"error": "the prefill failed"})

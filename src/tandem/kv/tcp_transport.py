@@ -208,6 +208,8 @@ class _Handoff:
     arrived: threading.Event = field(default_factory=threading.Event)
     message: dict[str, Any] | None = None
     expires: float = float("inf")  # an announcement nobody claimed is dropped after this
+    waiter: socket.socket | None = None  # the connection of a decode worker waiting on it
+    answered: bool = False  # the waiter got its one answer (set by whoever sends it)
 
 
 @dataclass(eq=False)
@@ -300,7 +302,9 @@ class TcpKVServer(TransportServer):
             transfer.withdrawn.set()
 
     def announce(self, handoff_id: str, message: dict[str, Any]) -> None:
-        """Hand `message` to the decode worker waiting on handoff_id (now, or when it asks)."""
+        """Hand `message` to the decode worker waiting on handoff_id (now, or when it asks).
+        A decode worker that waits already gets it from this thread: handing the send to the
+        connection's thread would add that thread's wake-up to the handoff."""
         now = time.monotonic()
         with self._lock:
             for stale in [k for k, h in self._handoffs.items() if h.expires < now]:
@@ -308,6 +312,17 @@ class TcpKVServer(TransportServer):
             handoff = self._handoffs.setdefault(handoff_id, _Handoff())
             handoff.message = message
             handoff.expires = now + self._announcement_ttl
+            waiter = None if handoff.answered else handoff.waiter
+            handoff.answered = waiter is not None
+        if waiter is not None:
+            try:
+                _send_message(waiter, _ANNOUNCE, _encoder.encode(message))
+            except OSError as exc:  # the connection's thread answers, or sees the client gone
+                logger.debug(
+                    "KV server on port %d: announcing %r failed: %r", self.port, handoff_id, exc
+                )
+                with self._lock:
+                    handoff.answered = False
         handoff.arrived.set()
 
     def close(self) -> None:
@@ -390,24 +405,34 @@ class TcpKVServer(TransportServer):
         handoff_id = request.handoff_id
         with self._lock:
             handoff = self._handoffs.setdefault(handoff_id, _Handoff())
+            handoff.waiter = connection  # an announcement from now on is sent by `announce`
         deadline = time.monotonic() + request.timeout_s
         try:
             while not handoff.arrived.wait(AWAIT_POLL_S):
-                if self._closing.is_set() or not _is_alive(connection):
+                # Read after the check: a client that got the announcement may have sent its
+                # next request already, and an announcement is marked sent before it is sent.
+                gone = not _is_alive(connection) and not handoff.answered
+                if self._closing.is_set() or gone:
                     raise _ProtocolError(f"the client stopped waiting for {handoff_id!r}")
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or handoff.answered:
                     break
         finally:
             connection.settimeout(self._io_timeout)
             with self._lock:
                 if self._handoffs.get(handoff_id) is handoff:
                     del self._handoffs[handoff_id]
-        if handoff.message is None:
+                handoff.waiter = None
+                answer_here = not handoff.answered
+                handoff.answered = True
+                message = handoff.message
+        if not answer_here:
+            return  # `announce` sent it
+        if message is None:
             self._send_error(
                 connection, "timeout", f"nothing was announced for {handoff_id!r} in time"
             )
             return
-        _send_message(connection, _ANNOUNCE, _encoder.encode(handoff.message))
+        _send_message(connection, _ANNOUNCE, _encoder.encode(message))
 
     def _serve_fetch(
         self, connection: socket.socket, request: _FetchRequest, header: bytearray
