@@ -409,8 +409,8 @@ class TcpKVServer(TransportServer):
         deadline = time.monotonic() + request.timeout_s
         try:
             while not handoff.arrived.wait(AWAIT_POLL_S):
-                # Read after the check: a client that got the announcement may have sent its
-                # next request already, and an announcement is marked sent before it is sent.
+                # `answered` is read after the liveness check: `announce` marks it before it
+                # sends, so a client already talking about its next request is answered, not gone.
                 gone = not _is_alive(connection) and not handoff.answered
                 if self._closing.is_set() or gone:
                     raise _ProtocolError(f"the client stopped waiting for {handoff_id!r}")
