@@ -30,10 +30,6 @@ import httpx
 
 from tandem.launcher.cluster import ClusterSpec
 
-# How long the router's loop keeps polling without sleeping after a request, in front of CUDA
-# workers (the workers' own default there is 2 s).
-ROUTER_BUSY_POLL_ON_GPUS_S = 2.0
-
 PR_SET_PDEATHSIG = 1
 
 
@@ -89,8 +85,10 @@ def plan_processes(
         argv += ["--prefill-policy", router.prefill_policy]
     if router.decode_policy:
         argv += ["--decode-policy", router.decode_policy]
-    if device == "cuda":  # the workers' loops keep awake on GPUs: the router's does too
-        argv += ["--busy-poll-s", str(ROUTER_BUSY_POLL_ON_GPUS_S)]
+    if device == "cuda":  # the workers' loops keep awake on GPUs: the router's does as long
+        from tandem.engine.config import BUSY_POLL_CUDA_S
+
+        argv += ["--busy-poll-s", str(BUSY_POLL_CUDA_S)]
     argv += router.extra_args
     router_url = f"http://127.0.0.1:{spec.ports.router}"
     plans.append(ProcessPlan("router", tuple(argv), router_url, "router"))
