@@ -578,11 +578,8 @@ class Proxy:
             },
         )
         opening = asyncio.ensure_future(
-            self._open_leg(
+            self._open_decode_leg(
                 ctx,
-                "decode",
-                ("decode",),
-                self.decode_policy,
                 decode_body,
                 self._prefill_timeout,  # it answers once the prefill is done
                 accept=lambda worker: _can_wait_on(worker, prefill_worker),
@@ -614,9 +611,21 @@ class Proxy:
                 await flow.aclose()
             _give_up(opening)
 
-    def _open_decode_leg(self, ctx: RequestContext, decode_body: dict[str, Any]) -> Any:
+    def _open_decode_leg(
+        self,
+        ctx: RequestContext,
+        decode_body: dict[str, Any],
+        timeout: aiohttp.ClientTimeout | None = None,
+        accept: Callable[[Worker], bool] | None = None,
+    ) -> Any:
         return self._open_leg(
-            ctx, "decode", ("decode",), self.decode_policy, decode_body, self._read_timeout
+            ctx,
+            "decode",
+            ("decode",),
+            self.decode_policy,
+            decode_body,
+            timeout or self._read_timeout,
+            accept=accept,
         )
 
     async def _decode_whole(
