@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import BUSY_POLL_CUDA_S, EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
@@ -493,7 +493,8 @@ def latency(limits: dict, log_dir: Path) -> dict:
             wait_healthy(f"http://127.0.0.1:{port}", processes[name])
         # The routers keep their loop awake between requests, as `tandem serve` starts them
         # in front of CUDA workers (whose loops do so by default).
-        pair = ["--prefill", "http://127.0.0.1:8302", "--decode", decode_url, "--busy-poll-s", "2"]
+        pair = ["--prefill", "http://127.0.0.1:8302", "--decode", decode_url]
+        pair += ["--busy-poll-s", str(BUSY_POLL_CUDA_S)]
         processes["router"] = start_process(
             ["router", "--port", "8300", *pair], log_dir / "router.log"
         )
