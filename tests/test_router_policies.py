@@ -185,3 +185,17 @@ def test_no_handoff_unless_every_prefill_worker_has_a_decode_worker_on_its_trans
     endpoints["http://decode-c"] = {"transport": "tcp", "handoff": True}
     endpoints["http://prefill-b"] = None
     assert handoff_proxy("round-robin", endpoints)._handoff_worker(stream_context(), []) is None
+
+
+def test_the_prompt_is_hashed_only_when_the_prefill_policy_has_a_choice():
+    from tandem.router.proxy import RequestContext
+
+    body = {"prompt": list(range(300)), "stream": True}
+    ctx = RequestContext("completions", body, "id", True)
+    endpoints = {"http://prefill-a": TCP_PREFILL, "http://decode-a": TCP_PREFILL}
+    assert handoff_proxy("prefix-aware", endpoints)._prefill_prefix(ctx) == []
+    endpoints["http://prefill-b"] = TCP_PREFILL
+    proxy = handoff_proxy("prefix-aware", endpoints)
+    expected = prefix_hashes(tuple(range(300)), proxy.config.prefix_block_chars)
+    assert len(expected) > 1 and proxy._prefill_prefix(ctx) == expected
+    assert handoff_proxy("least-outstanding", endpoints)._prefill_prefix(ctx) == []

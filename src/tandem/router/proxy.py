@@ -439,11 +439,16 @@ class Proxy:
 
     # ---- disaggregated: prefill leg, then decode leg --------------------------------------------
 
+    def _prefill_prefix(self, ctx: RequestContext) -> list[int]:
+        """The prompt's block hashes for the prefill policy; none when it has no choice to make
+        (one prefill worker): hashing a long prompt costs the prefill leg hundreds of µs."""
+        if not self.prefill_policy.uses_prefix or len(self.pool.available(("prefill",))) < 2:
+            return []
+        units = prompt_units(ctx.endpoint, ctx.body)
+        return prefix_hashes(units, self.config.prefix_block_chars)
+
     async def _disaggregated(self, ctx: RequestContext) -> Flow:
-        prefix: list[int] = []
-        if self.prefill_policy.uses_prefix:
-            units = prompt_units(ctx.endpoint, ctx.body)
-            prefix = prefix_hashes(units, self.config.prefix_block_chars)
+        prefix = self._prefill_prefix(ctx)
         handoff_to = self._handoff_worker(ctx, prefix)
         flow = (
             self._handed_off(ctx, handoff_to, prefix)
