@@ -11,7 +11,8 @@ Sections (each prints its table; all results go into one JSON file):
   transfer   (4) a 10k-token Qwen3-0.6B KV over CUDA IPC (GPU0 -> GPU1), against the copy rate
   latency    (1) input 128 / 1024 / 8192, output 128, one request at a time: `both` on GPU 0
              against 1 prefill (GPU 0) + 1 decode (GPU 1) behind tandem's router, with the
-             handoff flow and (a second router, --no-handoff) vLLM's; TTFT, time to
+             handoff flow and (a second router, --no-handoff) vLLM's, and `both` behind a
+             third router (the colocated system as served, a router in front); TTFT, time to
              second token, TPOT; greedy output of PD identical to colocated; and the legs
              timed direct from the client (no router), to split PD's extra time between the
              router, the prefill worker's KV bookkeeping and the decode leg
@@ -402,6 +403,13 @@ WORKER_TTFT = "tandem_time_to_first_token_seconds_sum"
 # it adds itself (waiting on workers excluded), the decode worker's KV load.
 SERVER_TIMES = {
     "both": {"both": {WORKER_TTFT: "worker_ttft_ms"}},
+    "both_routed": {
+        "both_routed": {
+            "tandem_router_ttft_seconds_sum": "router_ttft_ms",
+            "tandem_router_added_seconds_sum": "router_added_ms",
+        },
+        "both": {WORKER_TTFT: "worker_ttft_ms"},
+    },
     **{
         path: {
             path: {
@@ -485,6 +493,7 @@ def latency(limits: dict, log_dir: Path) -> dict:
         "both": "http://127.0.0.1:8301",
         "pd": "http://127.0.0.1:8300",
         "pd_in_sequence": "http://127.0.0.1:8304",
+        "both_routed": "http://127.0.0.1:8305",
         "prefill": "http://127.0.0.1:8302",
         "decode": decode_url,
     }
@@ -493,32 +502,37 @@ def latency(limits: dict, log_dir: Path) -> dict:
             wait_healthy(f"http://127.0.0.1:{port}", processes[name])
         # The routers keep their loop awake between requests, as `tandem serve` starts them
         # in front of CUDA workers (whose loops do so by default).
-        pair = ["--prefill", "http://127.0.0.1:8302", "--decode", decode_url]
-        pair += ["--busy-poll-s", str(BUSY_POLL_CUDA_S)]
+        busy_poll = ["--busy-poll-s", str(BUSY_POLL_CUDA_S)]
+        pair = ["--prefill", "http://127.0.0.1:8302", "--decode", decode_url, *busy_poll]
         processes["router"] = start_process(
             ["router", "--port", "8300", *pair], log_dir / "router.log"
         )
         processes["router_in_sequence"] = start_process(
             ["router", "--port", "8304", "--no-handoff", *pair], log_dir / "router-seq.log"
         )  # vLLM's flow, for comparison
+        processes["router_both"] = start_process(
+            ["router", "--port", "8305", "--worker", urls["both"], *busy_poll],
+            log_dir / "router-both.log",
+        )  # the colocated baseline behind a router, as PD is
         wait_healthy(urls["pd"], processes["router"])
         wait_healthy(urls["pd_in_sequence"], processes["router_in_sequence"])
+        wait_healthy(urls["both_routed"], processes["router_both"])
         generator = torch.Generator().manual_seed(0)
         results = {}
         with httpx.Client(timeout=300) as client:
             for num_input in (128, 1024, 8192):
-                paths = ("both", "pd", "pd_in_sequence")
+                paths = ("both", "pd", "pd_in_sequence", "both_routed")
                 runs: dict[str, list[dict]] = {name: [] for name in (*paths, "legs")}
                 for repeat in range(2 + LATENCY_REPEATS):
-                    # `both` and the handoff path share a prompt; vLLM's flow gets its own, so
-                    # that no path finds another's prompt in the PD workers' prefix caches.
+                    # `both` and the handoff path share a prompt, vLLM's flow and the routed
+                    # `both` another: no path finds another's prompt in its workers' caches.
                     prompts = [
                         torch.randint(0, 151000, (num_input,), generator=generator).tolist()
                         for _ in range(2)
                     ]
                     shift = repeat % len(paths)  # rotate which path goes first
                     for name in paths[shift:] + paths[:shift]:
-                        prompt = prompts[name == "pd_in_sequence"]
+                        prompt = prompts[name in ("pd_in_sequence", "both_routed")]
                         before = server_times(client, urls, name)
                         run = stream_once(client, urls[name], prompt, 128)
                         after = server_times(client, urls, name)
@@ -546,6 +560,12 @@ def latency(limits: dict, log_dir: Path) -> dict:
                     )
                 row["ttft_ratio_in_sequence"] = (
                     row["pd_in_sequence"]["ttft_ms"] / row["both"]["ttft_ms"]
+                )
+                row["ttft_ratio_vs_both_routed"] = (
+                    row["pd"]["ttft_ms"] / row["both_routed"]["ttft_ms"]
+                )
+                row["ttst_pd_minus_both_routed_ms"] = (
+                    row["pd"]["ttst_ms"] - row["both_routed"]["ttst_ms"]
                 )
                 prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
                 colocated = greedy_token_ids(client, urls["both"], prompt, 64)
