@@ -401,21 +401,16 @@ WORKER_TTFT = "tandem_time_to_first_token_seconds_sum"
 # What each path's servers record of one request (seconds, summed): the worker's own TTFT (from
 # its HTTP handler's start to the first token out of its engine), the router's TTFT and the time
 # it adds itself (waiting on workers excluded), the decode worker's KV load.
+ROUTER_TIMES = {
+    "tandem_router_ttft_seconds_sum": "router_ttft_ms",
+    "tandem_router_added_seconds_sum": "router_added_ms",
+}
 SERVER_TIMES = {
     "both": {"both": {WORKER_TTFT: "worker_ttft_ms"}},
-    "both_routed": {
-        "both_routed": {
-            "tandem_router_ttft_seconds_sum": "router_ttft_ms",
-            "tandem_router_added_seconds_sum": "router_added_ms",
-        },
-        "both": {WORKER_TTFT: "worker_ttft_ms"},
-    },
+    "both_routed": {"both_routed": ROUTER_TIMES, "both": {WORKER_TTFT: "worker_ttft_ms"}},
     **{
         path: {
-            path: {
-                "tandem_router_ttft_seconds_sum": "router_ttft_ms",
-                "tandem_router_added_seconds_sum": "router_added_ms",
-            },
+            path: ROUTER_TIMES,
             "prefill": {WORKER_TTFT: "prefill_worker_ttft_ms"},
             "decode": {
                 WORKER_TTFT: "decode_worker_ttft_ms",
