@@ -83,8 +83,10 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of q over the contexts already in the cache (the new tokens' k/v stored)."""
+        """Attention of q over the contexts already in the cache (the new tokens' k/v stored),
+        written into `out` ([T, num_heads, head_dim], contiguous) when given."""
         raise NotImplementedError
 
 

@@ -39,6 +39,7 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_seqs = metadata.num_seqs
@@ -67,7 +68,7 @@ class TorchAttentionBackend(AttentionBackend):
         key_pos = torch.arange(keys.shape[1], device=device)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, max_q, max_k]
 
-        out = F.scaled_dot_product_attention(
+        attended = F.scaled_dot_product_attention(
             padded_q.transpose(1, 2).to(keys.dtype),  # [B, heads, max_q, head_dim]
             keys.transpose(1, 2),
             values.transpose(1, 2),
@@ -75,4 +76,5 @@ class TorchAttentionBackend(AttentionBackend):
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )  # [B, heads, max_q, head_dim]
-        return out.transpose(1, 2)[seq_of_token, index_in_seq].to(q.dtype)
+        result = attended.transpose(1, 2)[seq_of_token, index_in_seq].to(q.dtype)
+        return result if out is None else out.copy_(result)

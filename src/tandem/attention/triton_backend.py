@@ -112,10 +112,12 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _check_shapes(q, k_cache, v_cache)
         q = _last_dim_contiguous(q)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if q.shape[0] == 0:
             return out
         if metadata.is_decode_only:

@@ -108,14 +108,18 @@ def linear(x: torch.Tensor, layer: nn.Linear, fused: bool) -> torch.Tensor:
 
 @dataclass
 class ForwardContext:
-    """What every layer of one forward pass shares."""
+    """What every layer's attention inputs share in one forward pass."""
 
     positions: torch.Tensor
-    metadata: AttentionMetadata
+    slot_mapping: torch.Tensor  # where the fused kernel stores each token's K/V (-1: nowhere)
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # unfused path only
 
 
 class Attention(nn.Module):
+    """Attention in two stages, so that a caller can run what lies between two layers' attention
+    apart from the attention itself (piecewise CUDA graphs): `project` (q/k/v projection, norms,
+    rotary and, with the fused kernels, the K/V store) and `attend` (over the paged cache)."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -135,35 +139,52 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = config.head_dim**-0.5
 
-    def forward(
+    def project(
         self,
         hidden: torch.Tensor,
         rotary: RotaryEmbedding,
         layer_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         context: ForwardContext,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, ...]:
+        """With the fused kernels (q,), k and v being in the cache already; else (q, k, v)."""
         num_tokens = hidden.shape[0]
         qkv = linear(hidden, self.qkv_proj, self.fused)
-        k_cache, v_cache = layer_cache[0], layer_cache[1]
         if self.fused:  # q/k norms, rotary and the K/V store in one kernel
             qk_norm = None
             if self.qk_norm:
                 qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             q = triton_ops.qk_norm_rotary_store(
                 qkv, self.num_heads, self.num_kv_heads, context.positions, rotary.inv_freq,
-                qk_norm, k_cache, v_cache, context.metadata.slot_mapping,
+                qk_norm, layer_cache[0], layer_cache[1], context.slot_mapping,
             )  # fmt: skip
-            out = self.backend.attend(q, k_cache, v_cache, context.metadata, self.scale)
+            return (q,)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *context.cos_sin), apply_rotary(k, *context.cos_sin)
+        return q, k, v
+
+    def attend(
+        self,
+        projected: tuple[torch.Tensor, ...],
+        layer_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[T, heads * head_dim], before the output projection; written into `out` ([T, heads,
+        head_dim]) when given."""
+        k_cache, v_cache = layer_cache[0], layer_cache[1]
+        if self.fused:
+            (q,) = projected
+            attended = self.backend.attend(q, k_cache, v_cache, metadata, self.scale, out)
         else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, *context.cos_sin), apply_rotary(k, *context.cos_sin)
-            out = self.backend.forward(q, k, v, k_cache, v_cache, context.metadata, self.scale)
-        return linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.fused)
+            attended = self.backend.forward(*projected, k_cache, v_cache, metadata, self.scale)
+            if out is not None:
+                attended = out.copy_(attended)
+        return attended.reshape(attended.shape[0], self.q_size)
 
 
 class MLP(nn.Module):
@@ -226,6 +247,51 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def forward_context(
+        self, positions: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> ForwardContext:
+        cos_sin = None if self.fused_ops else self.model.rotary.cos_sin(positions)
+        return ForwardContext(positions, slot_mapping, cos_sin)
+
+    # The forward pass in stages: embed, then per layer attention_inputs -> attention ->
+    # layer_output. Everything but `attention` depends on the number of tokens alone, which is
+    # what lets piecewise CUDA graphs capture it.
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer 0's normed input, the residual stream)."""
+        residual = self.model.embed_tokens(input_ids)
+        return self.model.layers[0].input_layernorm(residual), residual
+
+    def attention_inputs(
+        self, index: int, hidden: torch.Tensor, kv_cache: torch.Tensor, context: ForwardContext
+    ) -> tuple[torch.Tensor, ...]:
+        attention = self.model.layers[index].self_attn
+        return attention.project(hidden, self.model.rotary, kv_cache[index], context)
+
+    def attention(
+        self,
+        index: int,
+        projected: tuple[torch.Tensor, ...],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model.layers[index].self_attn.attend(projected, kv_cache[index], metadata, out)
+
+    def layer_output(
+        self, index: int, attended: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index` after its attention (output projection, MLP, residual adds): (the next
+        layer's normed input, or the final norm's output after the last layer; the residual)."""
+        layers = self.model.layers
+        layer = layers[index]
+        attn_out = linear(attended, layer.self_attn.o_proj, self.fused_ops)
+        hidden, residual = layer.post_attention_layernorm.add_forward(attn_out, residual)
+        mlp_out = layer.mlp(hidden)
+        is_last = index + 1 == len(layers)
+        next_norm = self.model.norm if is_last else layers[index + 1].input_layernorm
+        return next_norm.add_forward(mlp_out, residual)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -235,21 +301,15 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
-        model = self.model
-        context = ForwardContext(
-            positions, metadata, None if self.fused_ops else model.rotary.cos_sin(positions)
-        )
-        residual = model.embed_tokens(input_ids)
-        hidden = model.layers[0].input_layernorm(residual)
-        for index, layer in enumerate(model.layers):
-            attn_out = layer.self_attn(hidden, model.rotary, kv_cache[index], context)
+        """after_layer(i) runs once layer i's K/V is in the cache."""
+        context = self.forward_context(positions, metadata.slot_mapping)
+        hidden, residual = self.embed(input_ids)
+        for index in range(len(self.model.layers)):
+            projected = self.attention_inputs(index, hidden, kv_cache, context)
+            attended = self.attention(index, projected, kv_cache, metadata)
             if after_layer is not None:
                 after_layer(index)
-            hidden, residual = layer.post_attention_layernorm.add_forward(attn_out, residual)
-            mlp_out = layer.mlp(hidden)
-            is_last = index + 1 == len(model.layers)
-            next_norm = model.norm if is_last else model.layers[index + 1].input_layernorm
-            hidden, residual = next_norm.add_forward(mlp_out, residual)
+            hidden, residual = self.layer_output(index, attended, residual)
         return hidden
 
     @torch.inference_mode()
