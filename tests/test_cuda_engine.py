@@ -61,6 +61,40 @@ def test_cuda_graphs_match_eager(tiny_checkpoints):
     ]
 
 
+def record_padded_sizes(graphs) -> list[int]:
+    """The padded size of every batch the piecewise graphs run from now on."""
+    sizes, run = [], graphs.run
+
+    def recording_run(token_inputs, *args):
+        sizes.append(token_inputs.shape[1])
+        return run(token_inputs, *args)
+
+    graphs.run = recording_run
+    return sizes
+
+
+def test_piecewise_graphs_match_eager(tiny_checkpoints):
+    """Prompts in piecewise CUDA graphs (padded to the ladder, attention eager between the
+    pieces): the same greedy tokens as the eager forward pass, whole prompts batched, and cut in
+    chunks of 48 tokens beside decode rows, then again with their prefixes from the cache."""
+    directory = str(tiny_checkpoints["qwen3-qknorm"])
+    common = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 2048}
+    eager = LLM(directory, piecewise_cuda_graph_max_tokens=0, **common)
+    assert eager.core.runner.piecewise_graphs is None
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY)]
+    for max_batched in (2048, 48):
+        llm = LLM(directory, max_num_batched_tokens=max_batched, **common)
+        graphs = llm.core.runner.piecewise_graphs
+        assert graphs.sizes  # a small model's batches are bound by the host: graphs pay
+        padded_sizes = record_padded_sizes(graphs)
+        for _ in range(2):  # the second time, every prompt's full blocks are cached
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+        assert padded_sizes and set(padded_sizes) <= set(graphs.sizes)
+        if max_batched == 2048:  # batches of whole prompts: several padded sizes
+            assert len(set(padded_sizes)) > 1
+        assert llm.core.kv_manager.num_used_blocks == 0
+
+
 BF16_TIE_GAP = 0.125  # two bf16 steps at the logits' magnitude (~8 to 16)
 
 
@@ -87,6 +121,48 @@ def test_greedy_bf16_divergence_only_at_near_ties(tiny_checkpoints):
     assert all(gap <= BF16_TIE_GAP for _, gap in divergences), divergences
 
 
+def test_pd_over_tcp_on_one_gpu_matches_colocated(tmp_path, tiny_checkpoints):
+    """The TCP transport from a CUDA prefill worker (each layer's blocks gathered on a copy
+    stream between the piecewise graphs' pieces): the same greedy tokens as a colocated worker,
+    and no block held afterwards."""
+    model = str(tiny_checkpoints["llama-gqa"])
+    common = ("--device", "cuda:0", "--dtype", "float32", "--num-kv-blocks", "2048")
+    tcp = ("--kv-transport", "tcp")
+    with (
+        running_worker(tmp_path, *common, model=model) as both,
+        running_worker(tmp_path, "--role", "prefill", *tcp, *common, model=model) as prefill,
+        running_worker(tmp_path, "--role", "decode", *tcp, *common, model=model) as decode,
+    ):
+        assert_pd_matches_colocated(both, prefill, decode, "tcp")
+
+
+def assert_pd_matches_colocated(both, prefill, decode, transport: str) -> None:
+    for prompt in PROMPTS[:16]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        colocated = httpx.post(f"{both.url}/v1/completions", json=body, timeout=60).json()
+        first = httpx.post(
+            f"{prefill.url}/v1/completions",
+            json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+            timeout=60,
+        ).json()
+        params = first["kv_transfer_params"]
+        assert params["kv_transport"] == transport
+        answer = httpx.post(
+            f"{decode.url}/v1/completions",
+            json=dict(body, kv_transfer_params=params),
+            timeout=60,
+        ).json()
+        assert answer["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"]
+    for worker in (prefill, decode):
+        assert wait_for_metric(worker.url, "tandem_kv_cache_blocks_used", 0.0) == 0.0
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_pd_over_cuda_ipc_matches_colocated(tmp_path, tiny_checkpoints):
     """Prefill on GPU 0, decode on GPU 1, KV moved peer to peer: the same greedy tokens as a
@@ -103,27 +179,4 @@ def test_pd_over_cuda_ipc_matches_colocated(tmp_path, tiny_checkpoints):
             tmp_path, "--device", "cuda:1", "--role", "decode", *ipc, *common, model=model
         ) as decode,
     ):
-        for prompt in PROMPTS[:16]:
-            body = {
-                "prompt": prompt,
-                "max_tokens": NEW_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-            colocated = httpx.post(f"{both.url}/v1/completions", json=body, timeout=60).json()
-            first = httpx.post(
-                f"{prefill.url}/v1/completions",
-                json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
-                timeout=60,
-            ).json()
-            params = first["kv_transfer_params"]
-            assert params["kv_transport"] == "cuda-ipc"
-            answer = httpx.post(
-                f"{decode.url}/v1/completions",
-                json=dict(body, kv_transfer_params=params),
-                timeout=60,
-            ).json()
-            assert answer["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"]
-        for worker in (prefill, decode):
-            assert wait_for_metric(worker.url, "tandem_kv_cache_blocks_used", 0.0) == 0.0
+        assert_pd_matches_colocated(both, prefill, decode, "cuda-ipc")

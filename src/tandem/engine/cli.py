@@ -24,7 +24,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-waiting", type=int, default=1024)
     group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    group.add_argument(
+        "--piecewise-cuda-graph-max-tokens",
+        type=int,
+        default=2048,
+        help="batches of up to this many tokens that decode graphs do not take (prompts, "
+        "prefill chunks, mixed batches) run in piecewise CUDA graphs, their attention eager "
+        "(0: never; capped at --max-num-batched-tokens)",
+    )
     group.add_argument(
         "--busy-poll-s",
         type=float,
@@ -56,6 +64,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         busy_poll_s=args.busy_poll_s,
         seed=args.seed,
     )

@@ -34,7 +34,10 @@ class EngineConfig:
     max_model_len: int | None = None
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # no CUDA graphs for decode
+    enforce_eager: bool = False  # no CUDA graphs
+    # Batches of up to this many tokens (capped at max_num_batched_tokens) that the decode
+    # graphs do not take run in piecewise CUDA graphs (0: never).
+    piecewise_cuda_graph_max_tokens: int = 2048
     # How long the engine loop (and a worker's HTTP server loop) keeps polling without sleeping
     # after it last had work (seconds); None: BUSY_POLL_CUDA_S on CUDA, 0 on CPU (where the step
     # needs every core).

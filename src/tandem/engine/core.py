@@ -83,6 +83,9 @@ class EngineCore:
             self.connector,
             cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
             max_seq_len=self.max_model_len,
+            piecewise_graph_max_tokens=0
+            if config.enforce_eager
+            else min(config.piecewise_cuda_graph_max_tokens, config.max_num_batched_tokens),
         )
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",

@@ -119,6 +119,7 @@ class ModelRunner:
         connector: KVConnector,
         cuda_graph_max_batch: int = 0,
         max_seq_len: int = 0,
+        piecewise_graph_max_tokens: int = 0,
     ) -> None:
         self.model = model
         self.kv_spec = kv_spec
@@ -135,11 +136,22 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_cache, cuda_graph_max_batch, max_seq_len, kv_spec.block_size
             )
+        self.piecewise_graphs = None
+        if device.type == "cuda" and model.fused_ops and piecewise_graph_max_tokens >= 16:
+            from tandem.engine.piecewise_graphs import PiecewiseGraphs
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, ...]:
-        """Flat inputs for the step, built with plain ints and numpy (a decode row costs a few
-        microseconds of host time), then moved to the device in one copy per dtype. The last
-        tensor holds the rows whose logits are sampled."""
+            self.piecewise_graphs = PiecewiseGraphs(
+                model, self.kv_cache, piecewise_graph_max_tokens, kv_spec.block_size
+            )
+
+    def prepare(
+        self, scheduler_output: SchedulerOutput, padded_size: int | None = None
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's inputs, built with plain ints and numpy (a decode row costs a few
+        microseconds of host time), then moved to the device in one copy per dtype: the token
+        inputs [3, width] (input_ids, positions, slot_mapping; the real tokens first, then
+        padding up to `padded_size` or an even width: token 0, position 0, slot -1), the
+        attention metadata, and the rows whose logits are sampled."""
         block_size = self.kv_spec.block_size
         requests = scheduler_output.requests
         max_blocks = max(len(r.block_ids) for r in requests)
@@ -166,23 +178,33 @@ class ModelRunner:
             seq_lens.append(start + count)
             if request.sample:
                 sample_rows.append(query_start_loc[-1] - 1)
+        num_tokens = len(input_ids)
+        # An even width keeps each row on a 16-byte boundary, which Triton specializes on.
+        width = padded_size or num_tokens + num_tokens % 2
+        padding = width - num_tokens
+        token_inputs = (
+            input_ids + [0] * padding,
+            positions + [0] * padding,
+            slots + [-1] * padding,
+        )
         uploaded = self.input_staging.upload(
             {
-                torch.int64: (input_ids, positions, slots, sample_rows),
+                torch.int64: (token_inputs, sample_rows),
                 torch.int32: (query_start_loc, seq_lens, block_tables),
             }
         )
-        input_ids_gpu, positions_gpu, slots_gpu, sample_rows_gpu = uploaded[torch.int64]
+        token_inputs_gpu, sample_rows_gpu = uploaded[torch.int64]
+        token_inputs_gpu = token_inputs_gpu.view(3, width)
         query_start_loc_gpu, seq_lens_gpu, block_tables_gpu = uploaded[torch.int32]
         metadata = AttentionMetadata(
-            slot_mapping=slots_gpu,
+            slot_mapping=token_inputs_gpu[2, :num_tokens],
             query_start_loc=query_start_loc_gpu,
             seq_lens=seq_lens_gpu,
             block_tables=block_tables_gpu.view(len(requests), max_blocks),
             max_query_len=max(len(r.token_ids) for r in requests),
             max_seq_len=max(seq_lens),
         )
-        return input_ids_gpu, positions_gpu, metadata, sample_rows_gpu
+        return token_inputs_gpu, metadata, sample_rows_gpu
 
     def _graph_can_run(self, scheduler_output: SchedulerOutput) -> bool:
         """A captured graph runs decode-only batches that fit it, when no layer-wise KV save has
@@ -195,17 +217,23 @@ class ModelRunner:
             and not getattr(scheduler_output.kv_connector_metadata, "saves", None)
         )
 
-    def _forward_eager(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
-        """Logits of the rows that sample (None when none does)."""
+    def _forward(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
+        """Logits of the rows that sample (None when none does), from the piecewise graphs when
+        the batch fits them, else from the eager forward pass."""
         connector_meta = scheduler_output.kv_connector_metadata
-        input_ids, positions, metadata, sample_rows = self.prepare(scheduler_output)
-        hidden = self.model(
-            input_ids,
-            positions,
-            self.kv_cache,
-            metadata,
-            after_layer=lambda index: self.connector.save_kv_layer(index, connector_meta),
-        )
+
+        def after_layer(index: int) -> None:
+            self.connector.save_kv_layer(index, connector_meta)
+
+        num_tokens = sum(len(r.token_ids) for r in scheduler_output.requests)
+        graphs = self.piecewise_graphs
+        padded_size = graphs.padded_size(num_tokens) if graphs is not None else None
+        token_inputs, metadata, sample_rows = self.prepare(scheduler_output, padded_size)
+        if padded_size is not None:
+            hidden = graphs.run(token_inputs, metadata, num_tokens, after_layer)
+        else:
+            input_ids, positions, _ = token_inputs[:, :num_tokens]
+            hidden = self.model(input_ids, positions, self.kv_cache, metadata, after_layer)
         if not sample_rows.numel():
             return None
         return self.model.compute_logits(hidden[sample_rows])
@@ -219,7 +247,7 @@ class ModelRunner:
             if self._graph_can_run(scheduler_output):
                 logits = self.decode_graphs.run(scheduler_output.requests)
             else:
-                logits = self._forward_eager(scheduler_output)
+                logits = self._forward(scheduler_output)
             self.connector.wait_for_save(connector_meta)
             to_sample = [r for r in scheduler_output.requests if r.sample]
             if to_sample:

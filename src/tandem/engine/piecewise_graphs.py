@@ -1,0 +1,203 @@
+"""Piecewise CUDA graphs of the forward pass for batches of up to `max_tokens` tokens (prompts,
+prefill chunks, mixed prefill and decode batches), one set of pieces per size of a ladder.
+
+An eager forward pass of a small model is bound by the host: some ten kernel launches per layer,
+each costing more host time than the GPU spends on it for a few hundred tokens. All of a layer
+but its attention depends on the number of tokens alone, so that part is captured for a padded
+token count; the attention, whose launch shape depends on the batch's sequences, runs eagerly
+between the pieces, over the real tokens only:
+
+    piece 0        embedding, layer 0's input norm and attention inputs (q/k/v projection,
+                   norms, rotary, K/V store)
+    attention 0    eager
+    piece i        layer i-1's output projection, MLP and residual adds; layer i's attention
+                   inputs
+    ...
+    piece L        the last layer's output and the final norm
+
+The pieces read the token inputs from a static buffer (padding rows: token 0, position 0, slot
+-1, which stores nothing) and hand each other the residual stream, the queries and the attention
+output through static buffers too, so the graphs of all sizes share one memory pool for their
+temporaries: the pieces of one size replay in the order they were captured, and never
+interleaved with another size's. Needs the fused kernels (the K/V store inside the captured
+projection, the residual stream updated in place).
+
+Where a batch is bound by the GPU (a large model, many tokens) the graphs save nothing and the
+padding costs GPU time. So the sizes are timed once captured, largest first, against the eager
+pass on the same batch, and those where the graphs do not save a tenth are given up: larger
+batches run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from tandem.attention.base import AttentionMetadata
+from tandem.engine.kv_cache_manager import cdiv
+from tandem.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+KEEP_BELOW = 0.9  # a size is kept when its graphs take at most this share of the eager time
+TIMING_REPEATS = 3
+
+
+def token_count_ladder(max_tokens: int) -> list[int]:
+    """Padded token counts: powers of two from 16 to 256, then steps of 256, up to max_tokens
+    rounded down to a multiple of 16 (empty below 16). Multiples of 16 keep every row of the
+    static token buffer on a 16-byte boundary, the alignment Triton specializes kernels on."""
+    top = max_tokens // 16 * 16
+    sizes = [size for size in (16, 32, 64, 128, 256) if size <= top]
+    sizes += list(range(512, top + 1, 256))
+    if sizes and sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+class PiecewiseGraphs:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, max_tokens: int, block_size: int
+    ) -> None:
+        if not model.fused_ops:
+            raise ValueError("piecewise CUDA graphs need the model's fused kernels")
+        ladder = token_count_ladder(max_tokens)
+        if not ladder:
+            raise ValueError("piecewise CUDA graphs need a batch of at least 16 tokens")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        capacity = ladder[-1]
+        self.num_layers = model.config.num_layers
+        config, device = model.config, kv_cache.device
+        dtype = model.model.embed_tokens.weight.dtype
+        # [input_ids | positions | slot_mapping], one row each
+        self.token_inputs = torch.zeros(3, capacity, dtype=torch.int64, device=device)
+        self.token_inputs[2] = -1
+        self.residual = torch.zeros(capacity, config.hidden_size, dtype=dtype, device=device)
+        heads = (config.num_heads, config.head_dim)
+        self.queries = torch.zeros(capacity, *heads, dtype=dtype, device=device)
+        self.attended = torch.zeros(capacity, *heads, dtype=dtype, device=device)
+        self.hidden = torch.zeros(capacity, config.hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._capture(ladder)
+        self.sizes = sorted(self.graphs)
+        self.max_tokens = self.sizes[-1] if self.sizes else 0
+        logger.info(
+            "piecewise CUDA graphs for batches of up to %d tokens (larger ones eager)",
+            self.max_tokens,
+        )
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The captured size a batch of num_tokens runs at; None when it is too large (or no
+        size paid for its graphs)."""
+        return next((size for size in self.sizes if size >= num_tokens), None)
+
+    def _pieces(self, size: int) -> list[Callable[[], None]]:
+        model, kv_cache, num_layers = self.model, self.kv_cache, self.num_layers
+        input_ids, positions, slot_mapping = self.token_inputs[:, :size]
+        context = model.forward_context(positions, slot_mapping)
+        residual = self.residual[:size]
+        attended = self.attended[:size].view(size, -1)
+
+        def store_queries(index: int, hidden: torch.Tensor) -> None:
+            (queries,) = model.attention_inputs(index, hidden, kv_cache, context)
+            self.queries[:size].copy_(queries)
+
+        def first() -> None:
+            hidden, embedded = model.embed(input_ids)
+            residual.copy_(embedded)
+            store_queries(0, hidden)
+
+        def after_attention(index: int) -> Callable[[], None]:
+            def piece() -> None:
+                hidden, _ = model.layer_output(index, attended, residual)  # residual in place
+                if index + 1 < num_layers:
+                    store_queries(index + 1, hidden)
+                else:
+                    self.hidden[:size].copy_(hidden)
+
+            return piece
+
+        return [first, *(after_attention(index) for index in range(num_layers))]
+
+    @torch.inference_mode()
+    def _capture(self, ladder: list[int]) -> None:
+        pool = None
+        timing = True  # until a size pays, the sizes below it being more bound by the host
+        for size in reversed(ladder):
+            pieces = self._pieces(size)
+            for piece in pieces:  # warm-up: compiles kernels outside capture
+                piece()
+            torch.cuda.synchronize(self.kv_cache.device)
+            graphs = []
+            for piece in pieces:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    piece()
+                pool = graph.pool()
+                graphs.append(graph)
+            self.graphs[size] = graphs
+            if timing:
+                graphed, eager = self._time_against_eager(size)
+                if graphed > KEEP_BELOW * eager:
+                    del self.graphs[size]
+                else:
+                    timing = False
+
+    def _time_against_eager(self, size: int) -> tuple[float, float]:
+        """Seconds of a batch of one sequence of `size` new tokens (storing nothing) in the
+        graphs and in the eager pass, each the fastest of a few runs."""
+        device = self.kv_cache.device
+        token_inputs = torch.zeros(3, size, dtype=torch.int64, device=device)
+        token_inputs[2] = -1
+        token_inputs[1] = torch.arange(size, device=device)
+        metadata = AttentionMetadata(
+            slot_mapping=token_inputs[2],
+            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
+            block_tables=torch.zeros(
+                1, cdiv(size, self.block_size), dtype=torch.int32, device=device
+            ),
+            max_query_len=size,
+            max_seq_len=size,
+        )
+
+        def fastest(forward: Callable[[], torch.Tensor]) -> float:
+            times = []
+            for _ in range(1 + TIMING_REPEATS):
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                forward()
+                torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+            return min(times[1:])
+
+        graphed = fastest(lambda: self.run(token_inputs, metadata, size))
+        eager = fastest(
+            lambda: self.model(token_inputs[0], token_inputs[1], self.kv_cache, metadata)
+        )
+        return graphed, eager
+
+    def run(
+        self,
+        token_inputs: torch.Tensor,  # [3, padded size]: input_ids, positions, slot_mapping
+        metadata: AttentionMetadata,
+        num_tokens: int,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states [num_tokens, hidden] of the batch; after_layer(i) runs once
+        layer i's K/V is in the cache."""
+        size = token_inputs.shape[1]
+        self.token_inputs[:, :size].copy_(token_inputs)
+        queries, attended = self.queries[:num_tokens], self.attended[:num_tokens]
+        graphs = self.graphs[size]
+        for index in range(self.num_layers):
+            graphs[index].replay()
+            self.model.attention(index, (queries,), self.kv_cache, metadata, out=attended)
+            if after_layer is not None:
+                after_layer(index)
+        graphs[-1].replay()
+        return self.hidden[:num_tokens]

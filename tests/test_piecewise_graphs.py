@@ -1,0 +1,21 @@
+"""The padded token counts the piecewise CUDA graphs are captured for (the graphs themselves are
+checked on the GPU in test_cuda_engine.py)."""
+
+from tandem.engine.piecewise_graphs import token_count_ladder
+
+
+def test_ladder_doubles_to_256_then_steps_by_256_to_the_cap():
+    assert token_count_ladder(2048) == [16, 32, 64, 128, 256, *range(512, 2049, 256)]
+    assert token_count_ladder(1000) == [16, 32, 64, 128, 256, 512, 768, 992]
+    assert token_count_ladder(48) == [16, 32, 48]
+    assert token_count_ladder(16) == [16]
+    assert token_count_ladder(15) == []
+
+
+def test_every_size_is_a_multiple_of_16_and_a_batch_fits_the_next_one_up():
+    sizes = token_count_ladder(3000)
+    assert all(size % 16 == 0 for size in sizes)
+    assert sizes == sorted(set(sizes))
+    for num_tokens in range(1, sizes[-1] + 1):
+        padded = next(size for size in sizes if size >= num_tokens)
+        assert padded - num_tokens < max(16, padded // 2)
