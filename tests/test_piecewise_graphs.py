@@ -1,6 +1,9 @@
 """The padded token counts the piecewise CUDA graphs are captured for (the graphs themselves are
 checked on the GPU in test_cuda_engine.py)."""
 
+import pytest
+
+from tandem.engine.config import EngineConfig
 from tandem.engine.piecewise_graphs import token_count_ladder
 
 
@@ -19,3 +22,10 @@ def test_every_size_is_a_multiple_of_16_and_a_batch_fits_the_next_one_up():
     for num_tokens in range(1, sizes[-1] + 1):
         padded = next(size for size in sizes if size >= num_tokens)
         assert padded - num_tokens < max(16, padded // 2)
+
+
+def test_a_negative_token_cap_is_refused():
+    with pytest.raises(ValueError, match="piecewise_cuda_graph_max_tokens must be 0"):
+        EngineConfig(device="cpu", piecewise_cuda_graph_max_tokens=-1).resolved()
+    off = EngineConfig(device="cpu", piecewise_cuda_graph_max_tokens=0).resolved()
+    assert off.piecewise_cuda_graph_max_tokens == 0

@@ -65,6 +65,8 @@ class EngineConfig:
             raise ValueError("block_size must be a power of two")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.piecewise_cuda_graph_max_tokens < 0:
+            raise ValueError("piecewise_cuda_graph_max_tokens must be 0 (off) or more")
         busy_poll_s = self.busy_poll_seconds(device)
         if busy_poll_s < 0:
             raise ValueError("busy_poll_s must be 0 or more")
