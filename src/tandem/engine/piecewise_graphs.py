@@ -143,7 +143,9 @@ class PiecewiseGraphs:
             if timing:
                 graphed, eager = self._time_against_eager(size)
                 if graphed > KEEP_BELOW * eager:
-                    del self.graphs[size]
+                    # nothing kept yet: the next size starts a pool of its own, this one's freed
+                    del self.graphs[size], graphs, graph
+                    pool = None
                 else:
                     timing = False
 
