@@ -18,9 +18,10 @@ import time
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.engine.config import EngineConfig
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-MODES = {"eager": 0, "piecewise": 2048}
+MODES = {"eager": 0, "piecewise": EngineConfig.piecewise_cuda_graph_max_tokens}
 
 
 def prompt_times(llm: LLM, length: int, rng: random.Random) -> float:

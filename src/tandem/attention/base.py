@@ -38,6 +38,21 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
 
+    @classmethod
+    def one_prompt(cls, slot_mapping: torch.Tensor, block_table: torch.Tensor) -> AttentionMetadata:
+        """One sequence whose every token is new (no cached prefix): slot_mapping [T] int64,
+        block_table [max_blocks_per_seq] int32."""
+        num_tokens = slot_mapping.shape[0]
+        device = slot_mapping.device
+        return cls(
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            block_tables=block_table[None],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]

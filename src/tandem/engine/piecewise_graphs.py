@@ -156,16 +156,8 @@ class PiecewiseGraphs:
         token_inputs = torch.zeros(3, size, dtype=torch.int64, device=device)
         token_inputs[2] = -1
         token_inputs[1] = torch.arange(size, device=device)
-        metadata = AttentionMetadata(
-            slot_mapping=token_inputs[2],
-            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
-            block_tables=torch.zeros(
-                1, cdiv(size, self.block_size), dtype=torch.int32, device=device
-            ),
-            max_query_len=size,
-            max_seq_len=size,
-        )
+        block_table = torch.zeros(cdiv(size, self.block_size), dtype=torch.int32, device=device)
+        metadata = AttentionMetadata.one_prompt(token_inputs[2], block_table)
 
         def fastest(forward: Callable[[], torch.Tensor]) -> float:
             times = []

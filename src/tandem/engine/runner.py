@@ -91,13 +91,9 @@ def _profile_cuda_blocks(config: EngineConfig, model: LlamaForCausalLM, spec: KV
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     cache = torch.zeros(replace(spec, num_blocks=num_blocks).shape, dtype=spec.dtype, device=device)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
+    metadata = AttentionMetadata.one_prompt(
+        torch.arange(num_tokens, dtype=torch.int64, device=device),
+        torch.arange(num_blocks, dtype=torch.int32, device=device),
     )
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     hidden = model(ids, torch.arange(num_tokens, device=device), cache, metadata)
