@@ -316,6 +316,14 @@ def test_router_errors_use_the_openai_shape_and_api_key(make_cluster):
     assert [model["id"] for model in models["data"]] == [MODEL]
     bad_json = HTTP.post(cluster.url + "/v1/completions", content=b"{", headers=headers)
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
+    bad_stream = HTTP.post(
+        cluster.url + "/v1/chat/completions", json={**body, "stream": "yes"}, headers=headers
+    )
+    assert bad_stream.status_code == 400
+    assert bad_stream.json()["error"]["code"] == "invalid_stream"
+    wrong_method = HTTP.get(cluster.url + "/v1/chat/completions", headers=headers)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert set(wrong_method.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_a_refusing_or_dead_prefill_worker_is_retried_on_another(make_cluster):

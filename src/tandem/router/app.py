@@ -1,5 +1,8 @@
 """The router's HTTP surface: the OpenAI endpoints, health, metrics and worker registration.
 
+The two proxied endpoints (`/v1/completions`, `/v1/chat/completions`) are served by a thin ASGI
+layer in front of FastAPI (`ProxiedRoutes`); the rest are FastAPI routes.
+
 Public endpoints (`/v1/...`, `/internal/workers` listing) need `Authorization: Bearer <api key>`
 when the router has one; `/health` and `/metrics` stay open for probes and scrapers. The
 registration endpoints need the cluster token, and are refused outright when the router has none.
@@ -19,12 +22,17 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.router.config import Role, RouterConfig
 from tandem.router.metrics import RouterMetrics
 from tandem.router.proxy import Proxy
 from tandem.router.relay import RelayResponse, error_body
 from tandem.router.workers import WorkerPool
+
+PROXIED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+API_KEY_MESSAGE = "a valid API key is required: send it as 'Authorization: Bearer <key>'"
 
 
 class WorkerAnnouncement(BaseModel):
@@ -40,10 +48,70 @@ def error_response(status: int, message: str, code: str, error_type: str) -> Res
     return Response(error_body(message, error_type, code), status, media_type="application/json")
 
 
-def _bearer_matches(request: Request, secret: str) -> bool:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+def _bearer_matches(headers: Headers, secret: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), secret)
+
+
+def parse_request_body(raw: bytes) -> dict[str, Any] | Response:
+    """A proxied request's JSON object, or the 400 answer that says what is wrong with it."""
+    try:
+        body = msgspec.json.decode(raw)
+    except ValueError:  # msgspec.DecodeError, malformed UTF-8 included
+        message = "the request body is not valid JSON"
+        return error_response(400, message, "invalid_json", "invalid_request_error")
+    if not isinstance(body, dict):
+        message = "the request body must be a JSON object"
+        return error_response(400, message, "invalid_json", "invalid_request_error")
+    if not isinstance(body.get("stream", False), bool):
+        message = "'stream' must be true or false"
+        return error_response(400, message, "invalid_stream", "invalid_request_error")
+    return body
+
+
+class ProxiedRoutes:
+    """ASGI middleware: the two OpenAI POSTs go straight to the proxy; all else to the app.
+
+    A lone streamed request pays for every layer between the HTTP server and the proxy, and
+    FastAPI's routing, dependency solving and per-message exception wrappers were a good part of
+    the router's own time, so these two endpoints skip them.
+    """
+
+    def __init__(self, app: ASGIApp, proxy: Proxy, api_key: str | None) -> None:
+        self.app = app
+        self.proxy = proxy
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = PROXIED_PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        answer = await self._answer(scope, receive, endpoint)
+        if answer is not None:
+            await answer(scope, receive, send)
+
+    async def _answer(self, scope: Scope, receive: Receive, endpoint: str) -> Response | None:
+        """The response to send, or None when the client left before its body arrived."""
+        if scope["method"] != "POST":
+            message = f"{scope['path']} takes POST only"
+            response = error_response(405, message, "method_not_allowed", "invalid_request_error")
+            response.headers["allow"] = "POST"
+            return response
+        if self.api_key is not None and not _bearer_matches(Headers(scope=scope), self.api_key):
+            return error_response(401, API_KEY_MESSAGE, "invalid_api_key", "invalid_request_error")
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = parse_request_body(b"".join(chunks))
+        if isinstance(body, Response):
+            return body
+        return RelayResponse(self.proxy.handle(endpoint, body))
 
 
 def create_app(config: RouterConfig) -> FastAPI:
@@ -68,52 +136,21 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.pool = pool
     app.state.proxy = proxy
     app.state.metrics = metrics
+    app.add_middleware(ProxiedRoutes, proxy=proxy, api_key=config.api_key)
 
     def refuse_without_api_key(request: Request) -> Response | None:
-        if config.api_key is None or _bearer_matches(request, config.api_key):
+        if config.api_key is None or _bearer_matches(request.headers, config.api_key):
             return None
-        message = "a valid API key is required: send it as 'Authorization: Bearer <key>'"
-        return error_response(401, message, "invalid_api_key", "invalid_request_error")
+        return error_response(401, API_KEY_MESSAGE, "invalid_api_key", "invalid_request_error")
 
     def refuse_without_cluster_token(request: Request) -> Response | None:
         if config.cluster_token is None:
             message = "worker registration is off: start the router with --cluster-token"
             return error_response(403, message, "registration_disabled", "permission_error")
-        if not _bearer_matches(request, config.cluster_token):
+        if not _bearer_matches(request.headers, config.cluster_token):
             message = "the cluster token is missing or wrong"
             return error_response(401, message, "invalid_cluster_token", "invalid_request_error")
         return None
-
-    async def read_json_object(request: Request) -> dict[str, Any] | Response:
-        try:
-            body = msgspec.json.decode(await request.body())
-        except ValueError:  # msgspec.DecodeError, malformed UTF-8 included
-            message = "the request body is not valid JSON"
-            return error_response(400, message, "invalid_json", "invalid_request_error")
-        if not isinstance(body, dict):
-            message = "the request body must be a JSON object"
-            return error_response(400, message, "invalid_json", "invalid_request_error")
-        if not isinstance(body.get("stream", False), bool):
-            message = "'stream' must be true or false"
-            return error_response(400, message, "invalid_stream", "invalid_request_error")
-        return body
-
-    async def proxied(request: Request, endpoint: str) -> Response:
-        refusal = refuse_without_api_key(request)
-        if refusal is not None:
-            return refusal
-        body = await read_json_object(request)
-        if isinstance(body, Response):
-            return body
-        return RelayResponse(proxy.handle(endpoint, body))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxied(request, "completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxied(request, "chat")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
