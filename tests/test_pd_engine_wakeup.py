@@ -1,11 +1,14 @@
-"""Two engine cores in one process, a prefill and a decode one over the TCP transport: a KV
+"""Engine cores in one process, a prefill and a decode one over the TCP transport: a KV
 transfer that ends calls the connector's wake-up from the transport thread, so the engine loop
-(which sleeps on its inputs while it only waits on remote KV) can run the loaded request at once.
+(which sleeps on its inputs while it only waits on remote KV) can run the loaded request at once;
+and a prefill lease that a decode worker holds (as a GPU-direct load does while it copies) stays
+through its expiry and a release until the hold ends.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
@@ -17,8 +20,8 @@ from tandem.kv.connector import connector_factory
 PROMPT = list(range(3, 43))  # 40 tokens: two whole blocks of 16 and a partial one
 
 
-def make_core(directory, role: str) -> EngineCore:
-    kv_config = KVTransferConfig(role=role)
+def make_core(directory, role: str, **kv_settings) -> EngineCore:
+    kv_config = KVTransferConfig(role=role, **kv_settings)
     return EngineCore(
         EngineConfig(model=str(directory), num_kv_blocks=32), connector_factory(kv_config)
     )
@@ -67,3 +70,32 @@ def test_finished_transfers_wake_both_engine_loops(tiny_checkpoints):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_held_lease_outlives_its_expiry_and_a_release_until_let_go(tiny_checkpoints):
+    prefill = make_core(tiny_checkpoints["llama-gqa"], "prefill", lease_timeout_s=0.05)
+    connector = prefill.connector
+    try:
+        assert not connector._on_transfer_held("p")  # no such lease (yet)
+        greedy_one = SamplingParams(temperature=0.0, max_tokens=1)
+        prefill.add_request(
+            Request("p", PROMPT, greedy_one, kv_transfer_params={"do_remote_decode": True})
+        )
+        while not any(output.finish_reason for output in prefill.step()):
+            pass
+        leased_blocks = prefill.kv_manager.num_used_blocks
+        assert leased_blocks == 3
+        assert connector._on_transfer_held("p")  # what the KV server asks on a decode's hold
+        connector.release("p")  # the router gives up on the request meanwhile
+        time.sleep(0.1)  # and the lease's deadline passes
+        prefill.step()
+        assert prefill.kv_manager.num_used_blocks == leased_blocks  # the decode still copies
+        assert "p" in prefill.scheduler.held_for_remote
+
+        connector._on_transfer_done("p", False)  # the hold broke: the decode let go unconfirmed
+        prefill.step()  # the expiry check ends the lease, the step after frees its blocks
+        prefill.step()
+        assert prefill.kv_manager.num_used_blocks == 0
+        assert not connector._on_transfer_held("p")  # an ended lease cannot be held again
+    finally:
+        prefill.shutdown()

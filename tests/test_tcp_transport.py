@@ -525,6 +525,84 @@ def test_release_ends_a_transfer_without_its_bytes(make_server, client):
         assert error.value.kind == "not_found"
 
 
+class HoldOwner:
+    """on_transfer_held for a server: records the holds, and refuses the ids in `ended`."""
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+        self.ended: set[str] = set()
+
+    def __call__(self, transfer_id: str) -> bool:
+        if transfer_id in self.ended:
+            return False
+        self.held.append(transfer_id)
+        return True
+
+
+def test_a_hold_keeps_a_transfer_until_its_release(make_server, client):
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])  # a GPU-direct transfer: the decode reads the blocks itself
+    hold = client.hold("127.0.0.1", server.port, "gpu", timeout=5)
+    hold.wait()
+    assert owner.held == ["gpu"]
+    assert done.calls == []  # held, not done: the transfer is still published
+    hold.release()
+    assert done.wait_for(1) == [("gpu", True)]
+    with pytest.raises(KVTransferError) as error:  # forgotten, as after a fetch
+        client.hold("127.0.0.1", server.port, "gpu", timeout=5).wait()
+    assert error.value.kind == "not_found"
+    assert server.connections_accepted == 1  # both holds went over the one pooled connection
+
+
+def test_a_hold_the_owner_refuses_fails_and_the_connection_is_reused(make_server, client):
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("ended", [])
+    owner.ended.add("ended")  # its lease ended between the publication and the hold
+    hold = client.hold("127.0.0.1", server.port, "ended", timeout=5)
+    with pytest.raises(KVTransferError) as error:
+        hold.wait()
+    assert error.value.kind == "aborted"
+    with pytest.raises(KVTransferError):
+        hold.release()  # nothing is held: nothing to confirm
+    with pytest.raises(KVTransferError) as error:
+        client.hold("127.0.0.1", server.port, "unknown", timeout=5).wait()
+    assert error.value.kind == "not_found"
+    server.publish("layers", make_layers(1))  # a transfer with layers cannot be held
+    with pytest.raises(KVTransferError) as error:
+        client.hold("127.0.0.1", server.port, "layers", timeout=5).wait()
+    assert error.value.kind == "mismatch"
+    assert done.calls == [("layers", False)] and owner.held == []
+    assert server.connections_accepted == 1
+
+
+def test_an_abandoned_hold_lets_go_and_a_new_one_can_follow(make_server, client):
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    hold = client.hold("127.0.0.1", server.port, "gpu", timeout=5)
+    hold.wait()
+    hold.abandon()  # the decode failed after the hold: the connection closes unconfirmed
+    assert done.wait_for(1) == [("gpu", False)]  # the owner lets go; the transfer stays
+    retry = client.hold("127.0.0.1", server.port, "gpu", timeout=5)
+    retry.wait()
+    retry.release()
+    assert done.wait_for(2) == [("gpu", False), ("gpu", True)]
+    assert owner.held == ["gpu", "gpu"]
+
+
+def test_an_injected_drop_comes_before_held(make_server, client):
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner, fault=TransportFault(drop_after_layers=0))
+    server.publish("gpu", [])
+    hold = client.hold("127.0.0.1", server.port, "gpu", timeout=5)
+    with pytest.raises(KVTransferError) as error:
+        hold.wait()
+    assert error.value.kind == "connection"
+    assert done.wait_for(1) == [("gpu", False)] and owner.held == []
+
+
 def test_a_handoff_announced_while_the_decode_waits_arrives_at_once(make_server, client):
     server, _ = make_server()
     message = {"remote_block_ids": [3, 1, 2], "first_token_id": 42, "kv_transport": "tcp"}

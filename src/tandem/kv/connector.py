@@ -33,7 +33,11 @@ scheduler with the load's report (`KVConnectorOutput.first_tokens`). A decode re
 while it waits cancels the wait.
 
 With the cuda-ipc transport nothing is staged: decode maps the prefill's cache once and copies
-the blocks GPU to GPU (`kv/cuda_ipc.py`); the TCP connection carries only the confirmation.
+the blocks GPU to GPU (`kv/cuda_ipc.py`); the TCP connection carries only a hold on the lease,
+sent as the copy starts and answered while it runs (the copy is used only once the prefill
+worker holds the lease: a lease that ended first fails the load), and after the load's report
+the confirmation. A held lease neither expires nor is released until its decode worker confirms
+or its connection drops.
 
 Blocks of remote and local caches line up one to one: remote block k holds prompt tokens
 [k * block_size, (k + 1) * block_size), the same tokens as local block k of the request.
@@ -56,7 +60,7 @@ from tandem.engine.outputs import HandedOffToken, KVConnectorOutput, ScheduledRe
 from tandem.engine.request import Request, RequestStatus
 from tandem.kv.base import KVConnector, is_pending_handoff
 from tandem.kv.config import KVTransferConfig
-from tandem.kv.transport import KVTransferError, TransportFault
+from tandem.kv.transport import KVTransferError, TransferHold, TransportFault
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,8 @@ class Lease:
     num_bytes: int
     staging: list[torch.Tensor]
     events: list[Any] = field(default_factory=list)  # CUDA events, one per layer
+    transferable: bool = False  # the prefill is done and its transfer parameters went out
+    held: bool = False  # a decode worker reads the blocks (cuda-ipc): it ends when it lets go
 
 
 def transport_params(request: Request) -> dict[str, Any]:
@@ -150,6 +156,7 @@ class PDConnector(KVConnector):
                 self.config.host,
                 self.config.port,
                 on_transfer_done=self._on_transfer_done,
+                on_transfer_held=self._on_transfer_held,
                 fault=fault,
             )
             logger.info("KV server listening on %s:%d", self.config.host, self.server.port)
@@ -226,7 +233,9 @@ class PDConnector(KVConnector):
             self._end_lease(request_id, report=False)
             self._announce_no_transfer(request)
             return False, None
-        lease.deadline = time.monotonic() + self.config.lease_timeout_s
+        with self.lock:
+            lease.deadline = time.monotonic() + self.config.lease_timeout_s
+            lease.transferable = True
         params = self._transfer_params(request, block_ids)
         if (handoff_id := self._handoff_id(request)) is not None:
             self.server.announce(handoff_id, params)
@@ -342,10 +351,11 @@ class PDConnector(KVConnector):
     def _load(self, spec: LoadSpec) -> None:
         """Receive one request's prompt KV into its local blocks (load thread), then report.
         A handoff first waits for the prefill's announcement; the transfer's time counts from
-        there."""
+        there. A GPU-direct load confirms to the prefill worker after the report."""
         started = time.monotonic()
         handed_off: HandedOffToken | None = None
         loaded = False  # False: a failure, or a prefill done on its first token (nothing to load)
+        hold: TransferHold | None = None
         try:
             if is_pending_handoff(spec.remote):
                 spec.remote, handed_off = self._await_handoff(spec)
@@ -353,7 +363,7 @@ class PDConnector(KVConnector):
             if handed_off is None or handed_off.finish_reason is None:
                 self._check_compatible(spec.remote, spec.num_prompt_tokens)
                 if self.gpu_direct:
-                    num_bytes = self._receive_gpu_direct(spec)
+                    num_bytes, hold = self._receive_gpu_direct(spec)
                 else:
                     num_bytes = self._receive_tcp(spec)
                 loaded = True
@@ -384,6 +394,8 @@ class PDConnector(KVConnector):
                 else:
                     self.failed_recving[spec.request_id] = failure
         self.wakeup()
+        if hold is not None:
+            self._confirm_held(spec, hold)
 
     def _await_handoff(self, spec: LoadSpec) -> tuple[dict[str, Any], HandedOffToken]:
         """Wait for the prefill's announcement: its transfer params and first token."""
@@ -452,27 +464,47 @@ class PDConnector(KVConnector):
                 stream.synchronize()
         return sum(t.numel() * t.element_size() for t in staging)
 
-    def _receive_gpu_direct(self, spec: LoadSpec) -> int:
-        """Peer-to-peer copy out of the prefill worker's mapped cache, then a confirmation over
-        the control channel (a transfer without layers). A lease that expired during the copy
-        answers not_found, and the load fails rather than use blocks that may be reused."""
+    def _receive_gpu_direct(self, spec: LoadSpec) -> tuple[int, TransferHold]:
+        """Peer-to-peer copy out of the prefill worker's mapped cache, under a hold on its
+        lease asked for over the control channel as the copy starts: the copy is used only once
+        the prefill worker answered that it holds the lease (a lease that ended before answers
+        not_found or aborted, and the load fails rather than use blocks that may be reused).
+        Returns the bytes copied and the hold, which the caller confirms."""
         from tandem.kv.cuda_ipc import copy_blocks, open_handle
 
         remote = spec.remote
         engine_id = remote["remote_engine_id"]
         if engine_id not in self.remote_caches:
             self.remote_caches[engine_id] = open_handle(remote["kv_ipc_handle"], self.device)
-        remote_ids = remote["remote_block_ids"][spec.first_block :]
-        if remote_ids:  # none when the local prefix cache holds the whole prompt
-            copy_blocks(
-                self.remote_caches[engine_id],
-                remote_ids,
-                self.kv_cache,
-                spec.local_block_ids,
-                self.copy_stream,
-            )
-        self._confirm_fetch(spec, [])
-        return len(remote_ids) * self.kv_spec.bytes_per_block
+        hold = self.client.hold(
+            remote["remote_host"],
+            int(remote["remote_port"]),
+            remote["remote_request_id"],
+            timeout=self.config.transfer_timeout_s,
+        )
+        try:
+            remote_ids = remote["remote_block_ids"][spec.first_block :]
+            if remote_ids:  # none when the local prefix cache holds the whole prompt
+                copy_blocks(
+                    self.remote_caches[engine_id],
+                    remote_ids,
+                    self.kv_cache,
+                    spec.local_block_ids,
+                    self.copy_stream,
+                )
+            hold.wait()
+        except BaseException:
+            hold.abandon()
+            raise
+        return len(remote_ids) * self.kv_spec.bytes_per_block, hold
+
+    def _confirm_held(self, spec: LoadSpec, hold: TransferHold) -> None:
+        """Confirms a GPU-direct load (after its report): the prefill worker frees the blocks.
+        If that fails, the prefill's lease lets go of them when it expires."""
+        try:
+            hold.release()
+        except KVTransferError as exc:
+            logger.warning("confirming the KV load of %s failed: %s", spec.request_id, exc)
 
     def _check_compatible(self, remote: dict[str, Any], num_prompt_tokens: int) -> None:
         if remote.get("kv_transport", "tcp") != self.config.transport:
@@ -495,7 +527,10 @@ class PDConnector(KVConnector):
 
     def get_finished(self) -> KVConnectorOutput | None:
         now = time.monotonic()
-        expired = [rid for rid, lease in list(self.leases.items()) if lease.deadline < now]
+        with self.lock:
+            expired = [
+                rid for rid, lease in self.leases.items() if lease.deadline < now and not lease.held
+            ]
         for request_id in expired:
             logger.info("KV lease of %s expired", request_id)
             self._end_lease(request_id, report=True)
@@ -515,10 +550,14 @@ class PDConnector(KVConnector):
         self.wakeup = callback
 
     def _on_transfer_done(self, request_id: str, ok: bool) -> None:
-        """Transport thread: the decode confirmed (ok) or a fetch broke (not ok)."""
+        """Transport thread: the decode confirmed (ok) or a fetch or hold broke (not ok: a
+        hold lets go of the lease, which then ends as any other)."""
         if not ok:
             with self.lock:
                 self.new_failures["send"] = self.new_failures.get("send", 0) + 1
+                lease = self.leases.get(request_id)
+                if lease is not None:
+                    lease.held = False
             return
         with self.lock:
             lease = self.leases.pop(request_id, None)
@@ -529,8 +568,23 @@ class PDConnector(KVConnector):
             self.finished_sending.add(request_id)
         self.wakeup()
 
-    def _end_lease(self, request_id: str, report: bool) -> None:
+    def _on_transfer_held(self, request_id: str) -> bool:
+        """Transport thread: a decode worker reads the blocks itself and asks that they stay
+        until it confirms; False once the lease has ended (or before its prefill is done)."""
         with self.lock:
+            lease = self.leases.get(request_id)
+            if lease is None or not lease.transferable:
+                return False
+            lease.held = True
+            return True
+
+    def _end_lease(self, request_id: str, report: bool) -> None:
+        """Ends a lease (expired, released, or not needed); a held one ends once let go."""
+        with self.lock:
+            lease = self.leases.get(request_id)
+            if lease is not None and lease.held:
+                lease.deadline = 0.0  # the first expiry check after the hold ends it
+                return
             lease = self.leases.pop(request_id, None)
             if lease is not None and report:
                 self.finished_sending.add(request_id)

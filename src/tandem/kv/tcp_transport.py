@@ -12,7 +12,10 @@ Wire format. One connection carries any number of fetches, one after another; ev
     header = magic b"TKV1" | type u8 | 3 pad bytes | layer u32 | length u64     (big-endian)
 
     client -> server  FETCH    msgpack {"transfer_id": str, "layer_nbytes": [int, ...],
-                                        "release_only": bool}; release_only skips to DONE
+                                        "release_only": bool, "hold": bool}; release_only skips
+                               to DONE; hold (no layers) asks the server to keep the transfer
+                               as published until CONFIRM, while the client reads it another way
+    server -> client  HELD     empty: the transfer is held (the answer to a hold, before CONFIRM)
     server -> client  LAYER    layer = i, payload = layer i's raw bytes (each layer once, in order)
     client -> server  CONFIRM  empty: every layer arrived
     server -> client  DONE     empty: the confirmation is recorded (the transfer is forgotten)
@@ -25,6 +28,7 @@ Wire format. One connection carries any number of fetches, one after another; ev
 
     FETCH ─▶ ◀─ LAYER 0 ◀─ LAYER 1 … ◀─ LAYER n-1   CONFIRM ─▶ ◀─ DONE
          └─▶ ◀─ ERROR (not_found / mismatch / aborted), at the start or between layers
+    FETCH (hold) ─▶ ◀─ HELD  … the client reads the blocks itself …  CONFIRM ─▶ ◀─ DONE
     AWAIT ─▶ … ◀─ ANNOUNCE        or ◀─ ERROR (timeout) once timeout_s passed unannounced
 
 Handoffs let a decode worker wait for a prefill that has not finished (or not even arrived) yet:
@@ -32,11 +36,19 @@ the prefill side calls `announce(handoff_id, message)` once it knows what the de
 transfer parameters, or that there is nothing to load); a waiting AWAIT gets it at once, a later
 one finds it waiting (an announcement nobody claims is dropped after `announcement_ttl`).
 
+A hold is how GPU-direct transports keep their guarantee without a round trip after the copy: the
+client sends the hold, copies while it travels, and uses the copy only once HELD came back. The
+transfer was published (its lease alive) when the server held it, so it was during the copy
+too, and it stays so until CONFIRM; the server asks its owner first (`on_transfer_held`, which
+may refuse: the lease already ended), and a connection that closes before CONFIRM lets go of it
+(on_transfer_done(id, False)).
+
 Threads: the server runs one accept thread plus one thread per connection; `wait_layer` and the
-`on_transfer_done` callback run on the connection's thread (the callback outside the server's lock,
-so it may call publish/withdraw). Anything unexpected from a client (garbage, a drop, silence past
-`io_timeout`) ends that connection only; a fetch that breaks that way reports
-on_transfer_done(id, False) if the transfer is still published, and leaves it published.
+`on_transfer_done` and `on_transfer_held` callbacks run on the connection's thread (the callbacks
+outside the server's lock, so they may call publish/withdraw). Anything unexpected from a client
+(garbage, a drop, silence past `io_timeout`) ends that connection only; a fetch that breaks that
+way reports on_transfer_done(id, False) if the transfer is still published, and leaves it
+published.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from tandem.kv.transport import (
     TRANSFER_ERROR_KINDS,
     KVTransferError,
     TransferDoneCallback,
+    TransferHold,
     TransportClient,
     TransportFault,
     TransportServer,
@@ -76,6 +89,7 @@ _DONE = 4
 _ERROR = 5
 _AWAIT = 6
 _ANNOUNCE = 7
+_HELD = 8
 AWAIT_POLL_S = 0.05  # how often a wait checks that its peer is still there (or cancelled)
 
 
@@ -83,6 +97,7 @@ class _FetchRequest(msgspec.Struct):
     transfer_id: str
     layer_nbytes: list[int]
     release_only: bool = False  # no layers: the decode is done with the transfer without them
+    hold: bool = False  # no layers: keep the transfer as published until CONFIRM
 
 
 class _AwaitRequest(msgspec.Struct):
@@ -233,12 +248,14 @@ class TcpKVServer(TransportServer):
         port: int = 0,
         *,
         on_transfer_done: TransferDoneCallback | None = None,
+        on_transfer_held: Callable[[str], bool] | None = None,
         fault: TransportFault | None = None,
         io_timeout: float = 30.0,
         idle_timeout: float = 300.0,
         announcement_ttl: float = 60.0,
     ) -> None:
         self._on_transfer_done = on_transfer_done
+        self._on_transfer_held = on_transfer_held
         self._announcement_ttl = announcement_ttl
         self._handoffs: dict[str, _Handoff] = {}
         self._fault = fault
@@ -459,6 +476,17 @@ class TcpKVServer(TransportServer):
                 f"the destination has {request.layer_nbytes}",
             )
             return
+        if request.hold:
+            if fault is not None:  # a hold has no layers: a drop comes before HELD
+                self._closing.wait(fault.delay_s)
+                if fault.drop_after_layers is not None:
+                    self._report_done(transfer_id, transfer, False)
+                    raise _InjectedDrop("injected drop before HELD")
+                fault = None
+            if not self._hold(transfer_id):
+                self._send_error(connection, "aborted", f"transfer {transfer_id!r} has ended")
+                return
+            _send_message(connection, _HELD)
         try:
             outcome = self._stream_layers(connection, transfer_id, transfer, fault, header)
         except BaseException:
@@ -517,6 +545,15 @@ class TcpKVServer(TransportServer):
             _send_message(connection, _DONE)
         finally:
             self._call_done(transfer_id, True)
+
+    def _hold(self, transfer_id: str) -> bool:
+        if self._on_transfer_held is None:
+            return True
+        try:
+            return self._on_transfer_held(transfer_id)
+        except Exception:
+            logger.exception("on_transfer_held(%r) failed", transfer_id)
+            return False
 
     def _take_fault(self) -> TransportFault | None:
         """The fault to inject into the fetch starting now (call under the lock)."""
@@ -583,6 +620,16 @@ class TcpKVClient(TransportClient):
         as fetch does."""
         self._request(host, port, transfer_id, [], timeout, None, release_only=True)
 
+    def hold(self, host: str, port: int, transfer_id: str, *, timeout: float) -> TransferHold:
+        """Ask the server to hold the transfer (the hold is on its way when this returns).
+        Raises KVTransferError as fetch does; `timeout` bounds the hold's whole life."""
+        deadline = time.monotonic() + timeout
+        peer = (host, port)
+        hold = _TcpTransferHold(self, peer, self._checkout(peer, deadline), transfer_id, timeout)
+        request = _encoder.encode(_FetchRequest(transfer_id, [], hold=True))
+        hold.step(lambda connection: _send_message(connection, _FETCH, request), last=False)
+        return hold
+
     def await_announcement(
         self,
         host: str,
@@ -646,17 +693,10 @@ class TcpKVClient(TransportClient):
             raise
         except BaseException as exc:
             connection.close()  # mid-exchange: nothing else may use it
-            if isinstance(exc, _Cancelled):
-                raise KVTransferError("aborted", f"{what} was cancelled") from exc
-            if isinstance(exc, TimeoutError):
-                raise KVTransferError(
-                    "timeout", f"{what} from {host}:{port} passed {timeout} s"
-                ) from exc
-            if isinstance(exc, (OSError, _ProtocolError, msgspec.DecodeError)):
-                raise KVTransferError(
-                    "connection", f"{what} from {host}:{port} broke: {exc!r}"
-                ) from exc
-            raise
+            error = _as_transfer_error(exc, what, peer, timeout)
+            if error is None:
+                raise
+            raise error from exc
         self._checkin(peer, connection)
         return result
 
@@ -772,6 +812,88 @@ class TcpKVClient(TransportClient):
             connection.close()
             raise KVTransferError("connection", f"cannot connect to {host}:{port}: {exc}") from exc
         return connection
+
+
+class _TcpTransferHold(TransferHold):
+    """A hold on one pooled connection: FETCH (hold) sent, then HELD awaited, then CONFIRM."""
+
+    def __init__(
+        self,
+        client: TcpKVClient,
+        peer: tuple[str, int],
+        connection: socket.socket,
+        transfer_id: str,
+        timeout: float,
+    ) -> None:
+        self._client = client
+        self._peer = peer
+        self._connection: socket.socket | None = connection
+        self._what = f"hold of {transfer_id!r}"
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
+        self._header = bytearray(_HEADER.size)
+
+    def wait(self) -> None:
+        def expect_held(connection: socket.socket) -> None:
+            message_type, _, length = TcpKVClient._recv_reply(
+                connection, self._header, self._deadline
+            )
+            if message_type == _ERROR:
+                TcpKVClient._raise_error_reply(connection, length, self._deadline)
+            if message_type != _HELD or length != 0:
+                raise _ProtocolError(f"expected HELD, got message type {message_type}")
+
+        self.step(expect_held, last=False)
+
+    def release(self) -> None:
+        def confirm(connection: socket.socket) -> None:
+            _send_message(connection, _CONFIRM)
+            self._client._await_done(connection, self._header, self._deadline)
+
+        self.step(confirm, last=True)
+
+    def abandon(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def step(self, exchange: Callable[[socket.socket], None], *, last: bool) -> None:
+        """Run one part of the hold's exchange; the connection goes back to the pool after the
+        last part, or after the server's ERROR reply; it is closed when it broke."""
+        connection = self._connection
+        if connection is None:
+            raise KVTransferError("aborted", f"{self._what} has ended")
+        try:
+            connection.settimeout(max(self._deadline - time.monotonic(), 1e-3))
+            exchange(connection)
+        except KVTransferError:
+            self._connection = None
+            self._client._checkin(self._peer, connection)
+            raise
+        except BaseException as exc:
+            self.abandon()
+            error = _as_transfer_error(exc, self._what, self._peer, self._timeout)
+            if error is None:
+                raise
+            raise error from exc
+        if last:
+            self._connection = None
+            self._client._checkin(self._peer, connection)
+
+
+def _as_transfer_error(
+    exc: BaseException, what: str, peer: tuple[str, int], timeout: float
+) -> KVTransferError | None:
+    """The KVTransferError a broken exchange reports, or None for errors that are not the
+    transport's."""
+    host, port = peer
+    if isinstance(exc, _Cancelled):
+        return KVTransferError("aborted", f"{what} was cancelled")
+    if isinstance(exc, TimeoutError):
+        return KVTransferError("timeout", f"{what} from {host}:{port} passed {timeout} s")
+    if isinstance(exc, (OSError, _ProtocolError, msgspec.DecodeError)):
+        return KVTransferError("connection", f"{what} from {host}:{port} broke: {exc!r}")
+    return None
 
 
 def _is_alive(connection: socket.socket) -> bool:

@@ -12,6 +12,9 @@ the decode worker (client side) and reports what happened; the connector does th
   each time a fetch of a still-published transfer breaks; the transfer stays published, the
   connector decides whether to withdraw it or let decode retry.
 * Every failure a fetch reports is a `KVTransferError` whose `kind` says what went wrong.
+* A hold (`TransportClient.hold`) is for a decode worker that reads the blocks itself (GPU
+  direct): once `wait` returned, the transfer stays published until `release` (which confirms
+  it, as a fetch does) or until the hold breaks (`on_transfer_done(transfer_id, False)`).
 """
 
 from __future__ import annotations
@@ -122,6 +125,23 @@ class TransportServer(ABC):
         """Stop serving and forget every transfer."""
 
 
+class TransferHold(ABC):
+    """A decode worker's hold on a published transfer, asked for before it reads the blocks."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until the server holds the transfer; raises KVTransferError when it cannot
+        ("not_found", "aborted": the transfer ended first) or the exchange failed."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Confirm the transfer and end the hold; raises KVTransferError on failure."""
+
+    @abstractmethod
+    def abandon(self) -> None:
+        """Drop the hold without confirming (the server lets go of the transfer)."""
+
+
 class TransportClient(ABC):
     """Decode side: pulls a published transfer into preallocated per-layer tensors."""
 
@@ -142,6 +162,11 @@ class TransportClient(ABC):
     @abstractmethod
     def release(self, host: str, port: int, transfer_id: str, *, timeout: float) -> None:
         """Confirm a transfer without fetching its bytes (the decode side needs none of them)."""
+
+    @abstractmethod
+    def hold(self, host: str, port: int, transfer_id: str, *, timeout: float) -> TransferHold:
+        """Start a hold on the transfer; the caller reads the blocks, then waits for the hold
+        before it uses them."""
 
     @abstractmethod
     def await_announcement(
