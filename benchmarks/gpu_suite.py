@@ -615,6 +615,7 @@ def main() -> None:
             args.out.write_text(json.dumps(results, indent=2))
     if "latency" in sections and two_gpus:
         try:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
             results["latency"] = latency(limits, args.log_dir)
         except Exception as exc:
             results["latency"] = {"error": repr(exc)}
