@@ -72,9 +72,9 @@ def parse_request_body(raw: bytes) -> dict[str, Any] | Response:
 class ProxiedRoutes:
     """ASGI middleware: the two OpenAI POSTs go straight to the proxy; all else to the app.
 
-    A lone streamed request pays for every layer between the HTTP server and the proxy, and
-    FastAPI's routing, dependency solving and per-message exception wrappers were a good part of
-    the router's own time, so these two endpoints skip them.
+    A lone streamed request pays for every layer between the HTTP server and the proxy;
+    FastAPI's routing, dependency solving and per-message exception wrappers were about a fifth
+    of the time the router added on loopback, so these two endpoints skip them.
     """
 
     def __init__(self, app: ASGIApp, proxy: Proxy, api_key: str | None) -> None:
