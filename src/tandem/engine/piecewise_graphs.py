@@ -84,10 +84,9 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._capture(ladder)
         self.sizes = sorted(self.graphs)
-        self.max_tokens = self.sizes[-1] if self.sizes else 0
         logger.info(
             "piecewise CUDA graphs for batches of up to %d tokens (larger ones eager)",
-            self.max_tokens,
+            self.sizes[-1] if self.sizes else 0,
         )
 
     def padded_size(self, num_tokens: int) -> int | None:
