@@ -625,7 +625,8 @@ class TcpKVClient(TransportClient):
         Raises KVTransferError as fetch does; `timeout` bounds the hold's whole life."""
         deadline = time.monotonic() + timeout
         peer = (host, port)
-        hold = _TcpTransferHold(self, peer, self._checkout(peer, deadline), transfer_id, timeout)
+        connection = self._checkout(peer, deadline)
+        hold = _TcpTransferHold(self, peer, connection, transfer_id, timeout, deadline)
         request = _encoder.encode(_FetchRequest(transfer_id, [], hold=True))
         hold.step(lambda connection: _send_message(connection, _FETCH, request), last=False)
         return hold
@@ -824,13 +825,14 @@ class _TcpTransferHold(TransferHold):
         connection: socket.socket,
         transfer_id: str,
         timeout: float,
+        deadline: float,
     ) -> None:
         self._client = client
         self._peer = peer
         self._connection: socket.socket | None = connection
         self._what = f"hold of {transfer_id!r}"
         self._timeout = timeout
-        self._deadline = time.monotonic() + timeout
+        self._deadline = deadline
         self._header = bytearray(_HEADER.size)
 
     def wait(self) -> None:
