@@ -603,6 +603,93 @@ def test_an_injected_drop_comes_before_held(make_server, client):
     assert done.wait_for(1) == [("gpu", False)] and owner.held == []
 
 
+def wait_with_hold(client, server, handoff_id: str) -> tuple[threading.Thread, list]:
+    """Start a held wait on handoff_id in a thread, once it reached the server."""
+    received: list = []
+    waiter = threading.Thread(
+        target=lambda: received.append(
+            client.await_held_announcement(
+                "127.0.0.1", server.port, handoff_id, timeout=5.0, hold_timeout=5.0
+            )
+        )
+    )
+    waiter.start()
+    deadline = time.monotonic() + 5.0
+    while not server._handoffs.get(handoff_id) or server._handoffs[handoff_id].waiter is None:
+        assert time.monotonic() < deadline, "the wait did not reach the server"
+        time.sleep(0.01)
+    return waiter, received
+
+
+@pytest.mark.parametrize("announced_first", [False, True])
+def test_an_announcement_comes_with_its_transfer_held(make_server, client, announced_first):
+    """A held wait gets the named transfer held as the announcement goes out (by the announcing
+    thread, or by the connection's when the wait comes second): no HELD to wait for, and the
+    transfer stays until the release confirms it."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    message = {"remote_request_id": "gpu", "first_token_id": 7}
+    if announced_first:
+        server.announce("h", message, transfer_id="gpu")
+        received = [
+            client.await_held_announcement(
+                "127.0.0.1", server.port, "h", timeout=5.0, hold_timeout=5.0
+            )
+        ]
+    else:
+        waiter, received = wait_with_hold(client, server, "h")
+        server.announce("h", message, transfer_id="gpu")
+        waiter.join(5.0)
+    [(announcement, hold)] = received
+    assert announcement == message and hold is not None
+    assert owner.held == ["gpu"] and done.calls == []
+    hold.wait()  # held already: returns at once
+    hold.release()
+    assert done.wait_for(1) == [("gpu", True)]
+    with pytest.raises(KVTransferError) as error:  # forgotten, as after a fetch
+        client.hold("127.0.0.1", server.port, "gpu", timeout=5).wait()
+    assert error.value.kind == "not_found"
+    assert server.connections_accepted == 1  # the released connection went back to the pool
+
+
+def test_an_announcement_holds_only_what_can_be_held(make_server, client):
+    """No hold asked for, no transfer named, a transfer with layers, one the owner refuses:
+    the announcement comes without a hold, and the connection serves the next request."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    server.publish("layers", make_layers(1))
+    server.publish("ended", [])
+    owner.ended.add("ended")
+    server.announce("plain", {"n": 0}, transfer_id="gpu")
+    assert client.await_announcement("127.0.0.1", server.port, "plain", timeout=5.0) == {"n": 0}
+    for handoff_id, transfer_id in (("none", None), ("layers", "layers"), ("ended", "ended")):
+        server.announce(handoff_id, {"n": 1}, transfer_id=transfer_id)
+        announcement, hold = client.await_held_announcement(
+            "127.0.0.1", server.port, handoff_id, timeout=5.0, hold_timeout=5.0
+        )
+        assert (announcement, hold) == ({"n": 1}, None)
+    assert owner.held == [] and done.calls == []
+    assert server.connections_accepted == 1
+
+
+def test_an_abandoned_announced_hold_lets_go(make_server, client):
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    waiter, received = wait_with_hold(client, server, "h")
+    server.announce("h", {"remote_request_id": "gpu"}, transfer_id="gpu")
+    waiter.join(5.0)
+    [(_, hold)] = received
+    hold.abandon()  # the decode failed after the announcement: the connection closes
+    assert done.wait_for(1) == [("gpu", False)]  # the owner lets go; the transfer stays
+    retry = client.hold("127.0.0.1", server.port, "gpu", timeout=5)
+    retry.wait()
+    retry.release()
+    assert done.wait_for(2) == [("gpu", False), ("gpu", True)]
+
+
 def test_a_handoff_announced_while_the_decode_waits_arrives_at_once(make_server, client):
     server, _ = make_server()
     message = {"remote_block_ids": [3, 1, 2], "first_token_id": 42, "kv_transport": "tcp"}
@@ -639,10 +726,10 @@ def test_the_announcing_thread_sends_to_a_waiting_decode_itself(make_server, cli
     senders: list[str] = []  # the threads that sent an ANNOUNCE
     send = tcp_transport._send_message
 
-    def recording_send(sock, message_type, payload=b""):
+    def recording_send(sock, message_type, payload=b"", layer=0):
         if message_type == tcp_transport._ANNOUNCE:
             senders.append(threading.current_thread().name)
-        send(sock, message_type, payload)
+        send(sock, message_type, payload, layer)
 
     monkeypatch.setattr(tcp_transport, "_send_message", recording_send)
     server, _ = make_server()

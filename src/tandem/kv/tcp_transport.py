@@ -22,14 +22,17 @@ Wire format. One connection carries any number of fetches, one after another; ev
     server -> client  ERROR    msgpack {"kind": str, "message": str}: the fetch ended; the
                                connection stays usable
 
-    client -> server  AWAIT    msgpack {"handoff_id": str, "timeout_s": float}: wait until the
-                               prefill side announces that handoff (see below)
-    server -> client  ANNOUNCE msgpack map: what the prefill side announced
+    client -> server  AWAIT    msgpack {"handoff_id": str, "timeout_s": float, "hold": bool}:
+                               wait until the prefill side announces that handoff (see below);
+                               hold asks for the announced transfer held for this connection
+    server -> client  ANNOUNCE msgpack map: what the prefill side announced; layer = 1 when the
+                               transfer it names is held for this connection (as after HELD)
 
     FETCH ─▶ ◀─ LAYER 0 ◀─ LAYER 1 … ◀─ LAYER n-1   CONFIRM ─▶ ◀─ DONE
          └─▶ ◀─ ERROR (not_found / mismatch / aborted), at the start or between layers
     FETCH (hold) ─▶ ◀─ HELD  … the client reads the blocks itself …  CONFIRM ─▶ ◀─ DONE
     AWAIT ─▶ … ◀─ ANNOUNCE        or ◀─ ERROR (timeout) once timeout_s passed unannounced
+    AWAIT (hold) ─▶ … ◀─ ANNOUNCE (layer 1)  … the client reads the blocks …  CONFIRM ─▶ ◀─ DONE
 
 Handoffs let a decode worker wait for a prefill that has not finished (or not even arrived) yet:
 the prefill side calls `announce(handoff_id, message)` once it knows what the decode needs (its
@@ -42,6 +45,12 @@ transfer was published (its lease alive) when the server held it, so it was duri
 too, and it stays so until CONFIRM; the server asks its owner first (`on_transfer_held`, which
 may refuse: the lease already ended), and a connection that closes before CONFIRM lets go of it
 (on_transfer_done(id, False)).
+
+A handoff's announcement can carry the hold itself: a decode worker that waits with AWAIT (hold)
+gets the transfer the announcement names held as the announcement goes out (`announce(...,
+transfer_id)`; the owner is asked as for a hold), so it copies as soon as the announcement
+arrives, with no round trip before it may use the copy. An ANNOUNCE with layer 0 holds nothing
+(nothing to hold, the owner refused, or no hold was asked for): the client holds as above.
 
 Threads: the server runs one accept thread plus one thread per connection; `wait_layer` and the
 `on_transfer_done` and `on_transfer_held` callbacks run on the connection's thread (the callbacks
@@ -103,6 +112,7 @@ class _FetchRequest(msgspec.Struct):
 class _AwaitRequest(msgspec.Struct):
     handoff_id: str
     timeout_s: float
+    hold: bool = False  # hold the transfer the announcement names for this connection
 
 
 class _ErrorReply(msgspec.Struct):
@@ -214,8 +224,10 @@ def _recv_control(
     return payload
 
 
-def _send_message(sock: socket.socket, message_type: int, payload: bytes = b"") -> None:
-    sock.sendall(_HEADER.pack(_MAGIC, message_type, 0, len(payload)) + payload)
+def _send_message(
+    sock: socket.socket, message_type: int, payload: bytes = b"", layer: int = 0
+) -> None:
+    sock.sendall(_HEADER.pack(_MAGIC, message_type, layer, len(payload)) + payload)
 
 
 @dataclass(eq=False)
@@ -225,6 +237,9 @@ class _Handoff:
     expires: float = float("inf")  # an announcement nobody claimed is dropped after this
     waiter: socket.socket | None = None  # the connection of a decode worker waiting on it
     answered: bool = False  # the waiter got its one answer (set by whoever sends it)
+    transfer_id: str | None = None  # the transfer the announcement names, to hold if asked
+    hold_wanted: bool = False  # the waiter asked for that transfer held (AWAIT hold)
+    held: bool = False  # it is held for the waiter's connection, until CONFIRM or a drop
 
 
 @dataclass(eq=False)
@@ -318,27 +333,34 @@ class TcpKVServer(TransportServer):
         if transfer is not None:
             transfer.withdrawn.set()
 
-    def announce(self, handoff_id: str, message: dict[str, Any]) -> None:
-        """Hand `message` to the decode worker waiting on handoff_id (now, or when it asks).
-        A decode worker that waits already gets it from this thread: handing the send to the
-        connection's thread would add that thread's wake-up to the handoff."""
+    def announce(
+        self, handoff_id: str, message: dict[str, Any], transfer_id: str | None = None
+    ) -> None:
+        """Hand `message` to the decode worker waiting on handoff_id (now, or when it asks),
+        with `transfer_id` held for it if it asked for a hold. A decode worker that waits
+        already gets it from this thread: handing the send to the connection's thread would add
+        that thread's wake-up to the handoff."""
         now = time.monotonic()
         with self._lock:
             for stale in [k for k, h in self._handoffs.items() if h.expires < now]:
                 del self._handoffs[stale]
             handoff = self._handoffs.setdefault(handoff_id, _Handoff())
             handoff.message = message
+            handoff.transfer_id = transfer_id
             handoff.expires = now + self._announcement_ttl
             waiter = None if handoff.answered else handoff.waiter
             handoff.answered = waiter is not None
         if waiter is not None:
             try:
-                _send_message(waiter, _ANNOUNCE, _encoder.encode(message))
+                self._send_announcement(waiter, handoff)
             except OSError as exc:  # the connection's thread answers, or sees the client gone
                 logger.debug(
                     "KV server on port %d: announcing %r failed: %r", self.port, handoff_id, exc
                 )
+                if handoff.held:  # the connection's thread holds it again if it answers
+                    self._let_go(handoff.transfer_id)
                 with self._lock:
+                    handoff.held = False
                     handoff.answered = False
         handoff.arrived.set()
 
@@ -404,7 +426,7 @@ class TcpKVServer(TransportServer):
                 connection.settimeout(self._io_timeout)
                 payload = _recv_control(connection, length)
                 if message_type == _AWAIT:
-                    self._serve_await(connection, _await_decoder.decode(payload))
+                    self._serve_await(connection, _await_decoder.decode(payload), header)
                 else:
                     self._serve_fetch(connection, _fetch_decoder.decode(payload), header)
         except (OSError, _ProtocolError, _InjectedDrop, msgspec.DecodeError) as exc:
@@ -416,13 +438,17 @@ class TcpKVServer(TransportServer):
                 self._connections.pop(connection, None)
             connection.close()
 
-    def _serve_await(self, connection: socket.socket, request: _AwaitRequest) -> None:
-        """Answer one AWAIT once its handoff is announced, or with a timeout error. Raises when
+    def _serve_await(
+        self, connection: socket.socket, request: _AwaitRequest, header: bytearray
+    ) -> None:
+        """Answer one AWAIT once its handoff is announced, or with a timeout error; an
+        announcement that went out with its transfer held then waits for CONFIRM. Raises when
         the client leaves while waiting (the connection then closes)."""
         handoff_id = request.handoff_id
         with self._lock:
             handoff = self._handoffs.setdefault(handoff_id, _Handoff())
             handoff.waiter = connection  # an announcement from now on is sent by `announce`
+            handoff.hold_wanted = request.hold
         deadline = time.monotonic() + request.timeout_s
         try:
             while not handoff.arrived.wait(AWAIT_POLL_S):
@@ -442,14 +468,38 @@ class TcpKVServer(TransportServer):
                 answer_here = not handoff.answered
                 handoff.answered = True
                 message = handoff.message
-        if not answer_here:
-            return  # `announce` sent it
         if message is None:
             self._send_error(
                 connection, "timeout", f"nothing was announced for {handoff_id!r} in time"
             )
             return
-        _send_message(connection, _ANNOUNCE, _encoder.encode(message))
+        try:
+            if answer_here:
+                self._send_announcement(connection, handoff)
+            else:  # `announce` sends it; whether it holds the transfer is known once it is done
+                handoff.arrived.wait(self._io_timeout)
+        except BaseException:
+            if handoff.held:
+                self._let_go(handoff.transfer_id)
+            raise
+        if not handoff.held:
+            return
+        transfer_id = handoff.transfer_id
+        with self._lock:
+            transfer = self._transfers.get(transfer_id)
+        if transfer is None:  # a held transfer stays published until the server closes
+            raise _ProtocolError(f"held transfer {transfer_id!r} is gone")
+        self._serve_hold(connection, transfer_id, transfer, header)
+
+    def _send_announcement(self, connection: socket.socket, handoff: _Handoff) -> None:
+        """Send the handoff's announcement, holding its transfer first if the waiter asked."""
+        if handoff.hold_wanted and handoff.transfer_id is not None and not handoff.held:
+            with self._lock:
+                transfer = self._transfers.get(handoff.transfer_id)
+            if transfer is not None and not transfer.layers:  # as FETCH (hold): no layers
+                handoff.held = self._hold(handoff.transfer_id)
+        payload = _encoder.encode(handoff.message)
+        _send_message(connection, _ANNOUNCE, payload, layer=int(handoff.held))
 
     def _serve_fetch(
         self, connection: socket.socket, request: _FetchRequest, header: bytearray
@@ -487,6 +537,8 @@ class TcpKVServer(TransportServer):
                 self._send_error(connection, "aborted", f"transfer {transfer_id!r} has ended")
                 return
             _send_message(connection, _HELD)
+            self._serve_hold(connection, transfer_id, transfer, header)
+            return
         try:
             outcome = self._stream_layers(connection, transfer_id, transfer, fault, header)
         except BaseException:
@@ -533,6 +585,20 @@ class TcpKVServer(TransportServer):
             raise _ProtocolError(f"expected CONFIRM, got {message}")
         return "confirmed"
 
+    def _serve_hold(
+        self, connection: socket.socket, transfer_id: str, transfer: _Transfer, header: bytearray
+    ) -> None:
+        """A held transfer: wait for the client's CONFIRM, then answer DONE. Lets go of the
+        transfer (on_transfer_done(id, False)) and raises when the connection must close."""
+        try:
+            message = _recv_header(connection, header)
+            if message is None or message[0] != _CONFIRM or message[2] != 0:
+                raise _ProtocolError(f"expected CONFIRM, got {message}")
+        except BaseException:
+            self._report_done(transfer_id, transfer, False)
+            raise
+        self._finish(connection, transfer_id, transfer)
+
     def _finish(self, connection: socket.socket, transfer_id: str, transfer: _Transfer) -> None:
         with self._lock:
             completed = self._transfers.get(transfer_id) is transfer
@@ -545,6 +611,13 @@ class TcpKVServer(TransportServer):
             _send_message(connection, _DONE)
         finally:
             self._call_done(transfer_id, True)
+
+    def _let_go(self, transfer_id: str) -> None:
+        """A hold ends without CONFIRM: on_transfer_done(id, False) if still published."""
+        with self._lock:
+            transfer = self._transfers.get(transfer_id)
+        if transfer is not None:
+            self._call_done(transfer_id, False)
 
     def _hold(self, transfer_id: str) -> bool:
         if self._on_transfer_held is None:
@@ -626,7 +699,8 @@ class TcpKVClient(TransportClient):
         deadline = time.monotonic() + timeout
         peer = (host, port)
         connection = self._checkout(peer, deadline)
-        hold = _TcpTransferHold(self, peer, connection, transfer_id, timeout, deadline)
+        what = f"hold of {transfer_id!r}"
+        hold = _TcpTransferHold(self, peer, connection, what, timeout, deadline)
         request = _encoder.encode(_FetchRequest(transfer_id, [], hold=True))
         hold.step(lambda connection: _send_message(connection, _FETCH, request), last=False)
         return hold
@@ -645,18 +719,68 @@ class TcpKVClient(TransportClient):
         `cancelled` is set (checked every AWAIT_POLL_S), and as fetch does otherwise."""
 
         def exchange(connection: socket.socket, deadline: float) -> dict[str, Any]:
-            request = _encoder.encode(_AwaitRequest(handoff_id, timeout))
-            connection.settimeout(max(deadline - time.monotonic(), 1e-3))
-            _send_message(connection, _AWAIT, request)
-            header = bytearray(_HEADER.size)
-            message_type, _, length = _recv_header_waiting(connection, header, deadline, cancelled)
-            if message_type == _ERROR:
-                self._raise_error_reply(connection, length, deadline)
-            if message_type != _ANNOUNCE:
-                raise _ProtocolError(f"expected ANNOUNCE, got message type {message_type}")
-            return _announcement_decoder.decode(_recv_control(connection, length, deadline))
+            message, _ = self._await(connection, deadline, handoff_id, timeout, cancelled, False)
+            return message
 
         return self._with_connection(host, port, f"wait for {handoff_id!r}", timeout, exchange)
+
+    def await_held_announcement(
+        self,
+        host: str,
+        port: int,
+        handoff_id: str,
+        *,
+        timeout: float,
+        hold_timeout: float,
+        cancelled: threading.Event | None = None,
+    ) -> tuple[dict[str, Any], TransferHold | None]:
+        """As await_announcement, asking the server to hold the transfer the announcement names
+        for this connection. Returns the announcement and the hold when the server holds it
+        (already held: no wait; `hold_timeout` bounds the rest of its life), else None."""
+
+        def exchange(
+            connection: socket.socket, deadline: float
+        ) -> tuple[dict[str, Any], TransferHold | None]:
+            message, held = self._await(connection, deadline, handoff_id, timeout, cancelled, True)
+            if not held:
+                return message, None
+            hold_deadline = time.monotonic() + hold_timeout
+            peer = (host, port)
+            what = f"hold of the transfer announced for {handoff_id!r}"
+            return message, _TcpTransferHold(
+                self, peer, connection, what, hold_timeout, hold_deadline, held=True
+            )
+
+        return self._with_connection(
+            host,
+            port,
+            f"wait for {handoff_id!r}",
+            timeout,
+            exchange,
+            keeps_connection=lambda result: result[1] is not None,
+        )
+
+    def _await(
+        self,
+        connection: socket.socket,
+        deadline: float,
+        handoff_id: str,
+        timeout: float,
+        cancelled: threading.Event | None,
+        hold: bool,
+    ) -> tuple[dict[str, Any], bool]:
+        """One AWAIT: the announcement, and whether its transfer is held for this connection."""
+        request = _encoder.encode(_AwaitRequest(handoff_id, timeout, hold))
+        connection.settimeout(max(deadline - time.monotonic(), 1e-3))
+        _send_message(connection, _AWAIT, request)
+        header = bytearray(_HEADER.size)
+        message_type, held, length = _recv_header_waiting(connection, header, deadline, cancelled)
+        if message_type == _ERROR:
+            self._raise_error_reply(connection, length, deadline)
+        if message_type != _ANNOUNCE or held not in (0, int(hold)):
+            raise _ProtocolError(f"expected ANNOUNCE, got message type {message_type} ({held})")
+        message = _announcement_decoder.decode(_recv_control(connection, length, deadline))
+        return message, bool(held)
 
     def _request(
         self,
@@ -680,10 +804,12 @@ class TcpKVClient(TransportClient):
         what: str,
         timeout: float,
         exchange: Callable[[socket.socket, float], Any],
+        keeps_connection: Callable[[Any], bool] | None = None,
     ) -> Any:
         """Run exchange(connection, deadline) on a pooled connection to the peer. A connection
         whose exchange ended with the server's ERROR reply (a KVTransferError) stays usable;
-        one that broke or timed out is closed and the failure raised as a KVTransferError."""
+        one that broke or timed out is closed and the failure raised as a KVTransferError. A
+        result for which keeps_connection is true owns the connection (it is not pooled)."""
         deadline = time.monotonic() + timeout
         peer = (host, port)
         connection = self._checkout(peer, deadline)
@@ -698,7 +824,8 @@ class TcpKVClient(TransportClient):
             if error is None:
                 raise
             raise error from exc
-        self._checkin(peer, connection)
+        if keeps_connection is None or not keeps_connection(result):
+            self._checkin(peer, connection)
         return result
 
     def close(self) -> None:
@@ -816,26 +943,33 @@ class TcpKVClient(TransportClient):
 
 
 class _TcpTransferHold(TransferHold):
-    """A hold on one pooled connection: FETCH (hold) sent, then HELD awaited, then CONFIRM."""
+    """A hold on one pooled connection: FETCH (hold) sent, then HELD awaited, then CONFIRM; or
+    one an announcement came with (held already: nothing to wait for), then CONFIRM."""
 
     def __init__(
         self,
         client: TcpKVClient,
         peer: tuple[str, int],
         connection: socket.socket,
-        transfer_id: str,
+        what: str,
         timeout: float,
         deadline: float,
+        *,
+        held: bool = False,
     ) -> None:
         self._client = client
         self._peer = peer
         self._connection: socket.socket | None = connection
-        self._what = f"hold of {transfer_id!r}"
+        self._what = what
         self._timeout = timeout
         self._deadline = deadline
         self._header = bytearray(_HEADER.size)
+        self._held = held
 
     def wait(self) -> None:
+        if self._held:
+            return
+
         def expect_held(connection: socket.socket) -> None:
             message_type, _, length = TcpKVClient._recv_reply(
                 connection, self._header, self._deadline
@@ -846,6 +980,7 @@ class _TcpTransferHold(TransferHold):
                 raise _ProtocolError(f"expected HELD, got message type {message_type}")
 
         self.step(expect_held, last=False)
+        self._held = True
 
     def release(self) -> None:
         def confirm(connection: socket.socket) -> None:

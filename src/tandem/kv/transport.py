@@ -116,9 +116,12 @@ class TransportServer(ABC):
         """Forget a transfer (no-op when unknown); a fetch in progress ends with "aborted"."""
 
     @abstractmethod
-    def announce(self, handoff_id: str, message: dict[str, Any]) -> None:
-        """Give `message` to the decode worker that waits (or will wait) on handoff_id; never
-        waits on the network."""
+    def announce(
+        self, handoff_id: str, message: dict[str, Any], transfer_id: str | None = None
+    ) -> None:
+        """Give `message` to the decode worker that waits (or will wait) on handoff_id, with
+        transfer_id (a published transfer the message names) held for it if it asked for a
+        hold; never waits on the network."""
 
     @abstractmethod
     def close(self) -> None:
@@ -180,6 +183,20 @@ class TransportClient(ABC):
     ) -> dict[str, Any]:
         """Block until the server announces handoff_id and return its message; raises
         KVTransferError ("timeout", "aborted" once `cancelled` is set, "connection")."""
+
+    @abstractmethod
+    def await_held_announcement(
+        self,
+        host: str,
+        port: int,
+        handoff_id: str,
+        *,
+        timeout: float,
+        hold_timeout: float,
+        cancelled: threading.Event | None = None,
+    ) -> tuple[dict[str, Any], TransferHold | None]:
+        """As await_announcement, with the transfer the announcement names held for the
+        caller when the server could hold it (the hold needs no wait), else None."""
 
     @abstractmethod
     def close(self) -> None:
