@@ -58,12 +58,12 @@ def test_finished_transfers_wake_both_engine_loops(tiny_checkpoints):
         assert woken["decode"].wait(10), "the finished load did not wake the decode loop"
         assert woken["prefill"].wait(10), "the confirmation did not wake the prefill loop"
 
-        # Woken, each loop's next step sees the transfer's end without any further wait; the
-        # loaded request is then scheduled like a prefix-cache hit and decodes in the step after.
-        decode.step()
-        assert not decode.scheduler.waiting_for_remote
-        assert decode.scheduler.waiting
+        # Woken, each loop's next step sees the transfer's end without any further wait, and
+        # schedules the loaded request like a prefix-cache hit: it decodes in that step.
         assert [o.request_id for o in decode.step()] == ["d"]
+        assert not decode.scheduler.waiting_for_remote
+        assert [r.request_id for r in decode.scheduler.running] == ["d"]
+        assert decode.scheduler.requests["d"].num_output_tokens == 2
         prefill.step()
         assert not prefill.scheduler.held_for_remote
         assert prefill.kv_manager.num_used_blocks == 0

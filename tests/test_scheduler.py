@@ -120,10 +120,11 @@ class Harness:
         between: Callable[[], None] | None = None,
         connector_output: KVConnectorOutput | None = None,
     ) -> SchedulerOutput:
-        """One engine step; `between` runs after scheduling, before the outputs come back."""
+        """One engine step: the connector's report first (as EngineCore.step takes it), then
+        schedule; `between` runs after scheduling, before the outputs come back."""
+        self.collect(self.scheduler.update_from_connector(connector_output))
         scheduler_output = self.schedule()
         runner_output = self.model.execute(scheduler_output)
-        runner_output.kv_connector_output = connector_output
         if between is not None:
             between()
         self.collect(self.scheduler.update_from_output(scheduler_output, runner_output))
@@ -495,8 +496,9 @@ def test_remote_kv_counts_as_computed():
     block_ids, first, count = connector.loads["remote"]
     assert (block_ids[:2], first, count) == ([0, 1], 8, 6)  # local's first blocks, hit
     assert len(block_ids) == 4  # 14 tokens
-    harness.step(connector_output=connector.deliver(harness, "remote"))
-    assert plan(harness.step()) == [("remote", 14, 1, True)]
+    # The step that takes the load's report schedules the request.
+    delivered = connector.deliver(harness, "remote")
+    assert plan(harness.step(connector_output=delivered)) == [("remote", 14, 1, True)]
     harness.run_until_idle()
     for request in (local, remote):
         assert (harness.tokens[request.request_id], harness.finish_reasons[request.request_id]) == (
@@ -517,10 +519,10 @@ def test_failed_remote_load_is_recomputed_from_scratch():
     assert plan(harness.step()) == [("local", 0, 9, True)]
     assert remote.status == RequestStatus.WAITING_FOR_REMOTE_KV
     connector.loads.pop("remote")
-    harness.step(connector_output=KVConnectorOutput(failed_recving={"remote": "timeout"}))
-    assert remote.status == RequestStatus.WAITING
-    step = harness.step()
-    assert plan(step) == [("local", 10, 1, True), ("remote", 8, 1, True)]
+    failed = KVConnectorOutput(failed_recving={"remote": "timeout"})
+    step = harness.step(connector_output=failed)
+    assert remote.status == RequestStatus.RUNNING
+    assert plan(step) == [("local", 9, 1, True), ("remote", 8, 1, True)]
     assert step.requests[1].block_ids[:2] == harness.kv.block_ids("local")[:2]
     harness.run_until_idle()
     for request in (local, remote):
@@ -569,9 +571,9 @@ def test_a_handed_off_first_token_is_output_before_decoding_goes_on():
     assert (first, count) == (0, 10)  # the whole prompt
     delivered = connector.deliver(harness, "remote")
     delivered.first_tokens["remote"] = HandedOffToken(next_token(prompt))
-    harness.step(connector_output=delivered)
-    assert harness.tokens["remote"] == [next_token(prompt)]  # out before any step computed
-    assert plan(harness.step()) == [("remote", 10, 1, True)]
+    # Output with the step that takes the report, which also computes the next token.
+    assert plan(harness.step(connector_output=delivered)) == [("remote", 10, 1, True)]
+    assert harness.tokens["remote"][0] == next_token(prompt)
     harness.run_until_idle()
     expected = reference_generation(prompt, remote.sampling_params)
     assert (harness.tokens["remote"], harness.finish_reasons["remote"]) == expected
@@ -605,11 +607,10 @@ def test_a_failed_handoff_is_recomputed_only_with_its_first_token():
         failed_recving={"unannounced": "aborted", "announced": "connection"},
         first_tokens={"announced": HandedOffToken(next_token(prompt[::-1]))},
     )
-    harness.step(connector_output=failed)
+    # The prompt and the first token are recomputed from the step that takes the report.
+    assert plan(harness.step(connector_output=failed)) == [("announced", 0, 11, True)]
     assert harness.finish_reasons == {"unannounced": "error"}
-    assert harness.tokens["announced"] == [next_token(prompt[::-1])]
-    assert announced.status == RequestStatus.WAITING
-    assert plan(harness.step()) == [("announced", 0, 11, True)]  # the prompt and first token
+    assert harness.tokens["announced"][0] == next_token(prompt[::-1])
     harness.run_until_idle()
     expected = reference_generation(prompt[::-1], announced.sampling_params)
     assert (harness.tokens["announced"], harness.finish_reasons["announced"]) == expected

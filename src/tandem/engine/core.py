@@ -1,6 +1,7 @@
 """The engine core: model, KV cache, scheduler and runner in one step loop, token ids only.
 
-    step():  schedule -> run the model (and the connector's loads/saves) -> update requests
+    step():  take the connector's finished transfers -> schedule -> run the model (and the
+             connector's loads/saves) -> update requests
 
 Tokenization, detokenization and stop strings belong to the front end (`LLM` offline, the HTTP
 server online), which talks to this core in the same process or through `EngineCoreProcess`.
@@ -117,10 +118,18 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def take_finished_transfers(self) -> list[EngineCoreOutput]:
+        """Apply the KV transfers that ended since the last call; returns what they output (a
+        handoff's first token, a failed load's error). step() starts with this."""
+        return self.scheduler.update_from_connector(self.connector.get_finished())
+
     def step(self) -> list[EngineCoreOutput]:
+        # Transfers first: a request whose KV has just arrived is scheduled in this step.
+        outputs = self.take_finished_transfers()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
+        return outputs
 
     def shutdown(self) -> None:
         self.connector.shutdown()

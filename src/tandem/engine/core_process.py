@@ -142,6 +142,10 @@ def run_engine_core(
                     return
                 events = dict(poller.poll(0))
             if core.has_work():
+                # A handoff's first token goes out ahead of the step that decodes on from it: the
+                # front end opens the stream while that step runs.
+                if transfer_outputs := core.take_finished_transfers():
+                    outputs.send_pyobj(("outputs", transfer_outputs, collect_stats(core)))
                 step_outputs.extend(core.step())
             now = time.monotonic()
             if step_outputs or now - last_stats > STATS_INTERVAL_S:

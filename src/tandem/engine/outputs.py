@@ -66,7 +66,6 @@ class KVConnectorOutput:
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass

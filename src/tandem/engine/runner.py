@@ -252,5 +252,4 @@ class ModelRunner:
                     output.sampled_token_ids[request.request_id] = token_id
                     if lp is not None:
                         output.logprobs[request.request_id] = lp
-        output.kv_connector_output = self.connector.get_finished()
         return output

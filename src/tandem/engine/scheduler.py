@@ -22,6 +22,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.outputs import (
     EngineCoreOutput,
     HandedOffToken,
+    KVConnectorOutput,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -179,8 +180,6 @@ class Scheduler:
                 output.new_token_ids = [token_id]
                 output.new_logprobs = [logprobs] if logprobs else None
                 outputs.append(output)
-        if runner_output.kv_connector_output is not None:
-            outputs.extend(self._update_from_connector(runner_output.kv_connector_output))
         return outputs
 
     # -- internals -------------------------------------------------------------------------------
@@ -250,8 +249,15 @@ class Scheduler:
         output.new_token_ids = [handed_off.token_id]
         return output
 
-    def _update_from_connector(self, connector_output) -> list[EngineCoreOutput]:
-        outputs = []
+    def update_from_connector(
+        self, connector_output: KVConnectorOutput | None
+    ) -> list[EngineCoreOutput]:
+        """Apply the connector's finished transfers (before the step's schedule): loaded
+        requests wait to be scheduled, failed ones are recomputed or fail, blocks that remote
+        readers are done with are freed."""
+        outputs: list[EngineCoreOutput] = []
+        if connector_output is None:
+            return outputs
         for request_id in connector_output.finished_sending:
             if request_id in self.held_for_remote:
                 self.held_for_remote.discard(request_id)
