@@ -7,9 +7,10 @@ import httpx
 import pytest
 import torch
 
+from pd_fixtures import assert_nothing_held, metric, post, run_direct, with_defaults
 from tandem import LLM, SamplingParams
 from tiny_models import SHAPES
-from worker_fixtures import running_worker, wait_for_metric
+from worker_fixtures import running_worker, start_tandem, wait_for_metric
 
 pytestmark = pytest.mark.cuda
 
@@ -134,6 +135,7 @@ def test_pd_over_tcp_on_one_gpu_matches_colocated(tmp_path, tiny_checkpoints):
         running_worker(tmp_path, "--role", "decode", *tcp, *common, model=model) as decode,
     ):
         assert_pd_matches_colocated(both, prefill, decode, "tcp")
+        assert_handoffs_match_colocated(tmp_path, both, prefill, decode)
 
 
 def assert_pd_matches_colocated(both, prefill, decode, transport: str) -> None:
@@ -163,6 +165,25 @@ def assert_pd_matches_colocated(both, prefill, decode, transport: str) -> None:
         assert wait_for_metric(worker.url, "tandem_kv_cache_blocks_used", 0.0) == 0.0
 
 
+def assert_handoffs_match_colocated(tmp_path, both, prefill, decode) -> None:
+    """The same prompts streamed through a router, which hands each off (the decode leg waits
+    for the prefill's announcement): the colocated worker's tokens, and nothing held after."""
+    router = start_tandem(tmp_path, "router", "--prefill", prefill.url, "--decode", decode.url)
+    prompts = PROMPTS[:16]
+    try:
+        router.wait_healthy()
+        with httpx.Client(timeout=60) as client:
+            for prompt in prompts:
+                body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+                body = with_defaults(dict(body, ignore_eos=True, stream=True))
+                completion = post(client, f"{router.url}/v1/completions", body)
+                assert completion == run_direct(client, both.url, "/v1/completions", body)
+        assert metric(router, "tandem_router_handoffs_total") == len(prompts)
+    finally:
+        router.stop()
+    assert_nothing_held(prefill, decode)
+
+
 @pytest.mark.parametrize(
     "decode_device",
     [
@@ -175,8 +196,9 @@ def assert_pd_matches_colocated(both, prefill, decode, transport: str) -> None:
 )
 def test_pd_over_cuda_ipc_matches_colocated(tmp_path, tiny_checkpoints, decode_device):
     """Prefill on GPU 0, decode on GPU 0 or 1, KV copied out of the mapped prefill cache under
-    a hold on its lease: the same greedy tokens as a colocated worker, and no block held
-    afterwards (the confirmations after the loads freed the prefill's)."""
+    a hold on its lease (asked for in sequence, carried by the announcement in a handoff): the
+    same greedy tokens as a colocated worker, and no block held afterwards (the confirmations
+    after the copies freed the prefill's)."""
     model = str(tiny_checkpoints["qwen2-bias"])
     common = ("--dtype", "float32", "--num-kv-blocks", "2048")
     ipc = ("--kv-transport", "cuda-ipc")
@@ -190,3 +212,4 @@ def test_pd_over_cuda_ipc_matches_colocated(tmp_path, tiny_checkpoints, decode_d
         ) as decode,
     ):
         assert_pd_matches_colocated(both, prefill, decode, "cuda-ipc")
+        assert_handoffs_match_colocated(tmp_path, both, prefill, decode)

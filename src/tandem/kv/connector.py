@@ -33,11 +33,15 @@ scheduler with the load's report (`KVConnectorOutput.first_tokens`). A decode re
 while it waits cancels the wait.
 
 With the cuda-ipc transport nothing is staged: decode maps the prefill's cache once and copies
-the blocks GPU to GPU (`kv/cuda_ipc.py`); the TCP connection carries only a hold on the lease,
-sent as the copy starts and answered while it runs (the copy is used only once the prefill
-worker holds the lease: a lease that ended first fails the load), and after the load's report
-the confirmation. A held lease neither expires nor is released until its decode worker confirms
-or its connection drops.
+the blocks GPU to GPU (`kv/cuda_ipc.py`); the TCP connection carries only a hold on the lease
+and, once the copy is done, the confirmation. A handoff's announcement comes with the lease
+held; otherwise the load thread asks for the hold and waits for it (a lease that ended first
+fails the load). A held lease neither expires nor is released until its decode worker confirms
+or its connection drops. With the hold in, the load thread hands the copy to the engine thread,
+which queues it at the start of its next step, ahead of that step's kernels on the same GPU
+stream order, and schedules the request in that step: no thread waits for the copy on the way
+to the first decode step. A confirmation thread waits for the copy's end, records the
+transfer's time and confirms.
 
 Blocks of remote and local caches line up one to one: remote block k holds prompt tokens
 [k * block_size, (k + 1) * block_size), the same tokens as local block k of the request.
@@ -83,6 +87,17 @@ class LoadSpec:
 
 
 @dataclass
+class ReadyCopy:
+    """A GPU-direct load whose hold is in: the engine thread queues its copy."""
+
+    spec: LoadSpec
+    hold: TransferHold
+    remote_cache: torch.Tensor  # the prefill worker's mapped cache
+    handed_off: HandedOffToken | None
+    started: float  # time.monotonic() when the transfer's time starts
+
+
+@dataclass
 class ConnectorMetadata:
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
@@ -122,6 +137,7 @@ class PDConnector(KVConnector):
         self.loading: set[str] = set()
         self.abandoned_loads: set[str] = set()
         self.cancelled_waits: dict[str, threading.Event] = {}  # handoffs waiting on a prefill
+        self.ready_copies: list[ReadyCopy] = []  # held GPU-direct loads, for the engine thread
         self.client = None
         self.executor: ThreadPoolExecutor | None = None
         # reports, filled by transport threads, drained by get_finished / stats
@@ -238,7 +254,7 @@ class PDConnector(KVConnector):
             lease.transferable = True
         params = self._transfer_params(request, block_ids)
         if (handoff_id := self._handoff_id(request)) is not None:
-            self.server.announce(handoff_id, params)
+            self.server.announce(handoff_id, params, transfer_id=request_id)
         return True, params
 
     def _transfer_params(self, request: Request, block_ids: list[int]) -> dict[str, Any]:
@@ -351,22 +367,27 @@ class PDConnector(KVConnector):
     def _load(self, spec: LoadSpec) -> None:
         """Receive one request's prompt KV into its local blocks (load thread), then report.
         A handoff first waits for the prefill's announcement; the transfer's time counts from
-        there. A GPU-direct load confirms to the prefill worker after the report."""
+        there. A GPU-direct load ends here once it holds the prefill's lease: the engine thread
+        queues the copy and reports (`_start_ready_copies`)."""
         started = time.monotonic()
         handed_off: HandedOffToken | None = None
-        loaded = False  # False: a failure, or a prefill done on its first token (nothing to load)
         hold: TransferHold | None = None
+        num_bytes = None  # None: a failure, or a prefill done on its first token (nothing loaded)
         try:
             if is_pending_handoff(spec.remote):
-                spec.remote, handed_off = self._await_handoff(spec)
+                spec.remote, handed_off, hold = self._await_handoff(spec)
                 started = time.monotonic()
             if handed_off is None or handed_off.finish_reason is None:
                 self._check_compatible(spec.remote, spec.num_prompt_tokens)
                 if self.gpu_direct:
-                    num_bytes, hold = self._receive_gpu_direct(spec)
-                else:
-                    num_bytes = self._receive_tcp(spec)
-                loaded = True
+                    hold = hold or self._hold(spec.remote)
+                    remote_cache = self._remote_cache(spec.remote)
+                    ready = ReadyCopy(spec, hold, remote_cache, handed_off, started)
+                    with self.lock:
+                        self.ready_copies.append(ready)
+                    self.wakeup()
+                    return
+                num_bytes = self._receive_tcp(spec)
             failure = None
         except KVTransferError as exc:
             failure = exc.kind
@@ -374,52 +395,81 @@ class PDConnector(KVConnector):
         except Exception:
             failure = "error"
             logger.exception("KV load of %s failed", spec.request_id)
+        if failure is not None and hold is not None:
+            hold.abandon()
+        seconds = time.monotonic() - started if num_bytes is not None else None
+        self._report_load(spec, handed_off, failure, num_bytes, seconds)
+        self.wakeup()
+
+    def _report_load(
+        self,
+        spec: LoadSpec,
+        handed_off: HandedOffToken | None,
+        failure: str | None,
+        num_bytes: int | None,
+        seconds: float | None,
+    ) -> None:
+        """A load has ended: get_finished reports it (an abandoned one frees its blocks)."""
         with self.lock:
             self.loading.discard(spec.request_id)
             self.cancelled_waits.pop(spec.request_id, None)
-            if loaded:
+            if num_bytes is not None:
                 self.counters["kv_bytes_received"] += num_bytes
                 self.counters["kv_blocks_received"] += len(spec.remote["remote_block_ids"])
-                self.new_transfer_seconds.append(time.monotonic() - started)
-            elif failure is not None:
+            if seconds is not None:
+                self.new_transfer_seconds.append(seconds)
+            if failure is not None:
                 self.new_failures[failure] = self.new_failures.get(failure, 0) + 1
             if spec.request_id in self.abandoned_loads:
                 self.abandoned_loads.discard(spec.request_id)
                 self.finished_sending.add(spec.request_id)  # frees the blocks it held
+                return
+            if handed_off is not None:
+                self.first_tokens[spec.request_id] = handed_off
+            if failure is None:
+                self.finished_recving.add(spec.request_id)
             else:
-                if handed_off is not None:
-                    self.first_tokens[spec.request_id] = handed_off
-                if failure is None:
-                    self.finished_recving.add(spec.request_id)
-                else:
-                    self.failed_recving[spec.request_id] = failure
-        self.wakeup()
-        if hold is not None:
-            self._confirm_held(spec, hold)
+                self.failed_recving[spec.request_id] = failure
 
-    def _await_handoff(self, spec: LoadSpec) -> tuple[dict[str, Any], HandedOffToken]:
-        """Wait for the prefill's announcement: its transfer params and first token."""
+    def _await_handoff(
+        self, spec: LoadSpec
+    ) -> tuple[dict[str, Any], HandedOffToken, TransferHold | None]:
+        """Wait for the prefill's announcement: its transfer params and first token, and for a
+        GPU-direct load the hold on its lease when the announcement came with it."""
         remote = spec.remote
-        message = self.client.await_announcement(
-            remote["remote_host"],
-            int(remote["remote_port"]),
-            remote["handoff_id"],
+        wait = dict(
             timeout=self.config.handoff_timeout_s,
             cancelled=self.cancelled_waits.get(spec.request_id),
         )
-        if "error" in message:
-            raise KVTransferError("aborted", f"the prefill worker gave up: {message['error']}")
-        if message.get("finish_reason") not in (None, "stop"):
-            raise KVTransferError("mismatch", f"an announcement with {message['finish_reason']!r}")
-        try:
-            token = HandedOffToken(
-                int(message["first_token_id"]),
-                message.get("finish_reason"),
-                message.get("stop_reason"),
+        address = (remote["remote_host"], int(remote["remote_port"]), remote["handoff_id"])
+        hold = None
+        if self.gpu_direct:
+            hold_timeout = self.config.transfer_timeout_s
+            message, hold = self.client.await_held_announcement(
+                *address, hold_timeout=hold_timeout, **wait
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise KVTransferError("mismatch", f"a malformed announcement: {exc!r}") from exc
-        return message, token
+        else:
+            message = self.client.await_announcement(*address, **wait)
+        try:
+            if "error" in message:
+                raise KVTransferError("aborted", f"the prefill worker gave up: {message['error']}")
+            if message.get("finish_reason") not in (None, "stop"):
+                raise KVTransferError(
+                    "mismatch", f"an announcement with {message['finish_reason']!r}"
+                )
+            try:
+                token = HandedOffToken(
+                    int(message["first_token_id"]),
+                    message.get("finish_reason"),
+                    message.get("stop_reason"),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise KVTransferError("mismatch", f"a malformed announcement: {exc!r}") from exc
+        except BaseException:
+            if hold is not None:
+                hold.abandon()
+            raise
+        return message, token, hold
 
     def _confirm_fetch(self, spec: LoadSpec, layers: list[torch.Tensor], on_layer=None) -> None:
         remote = spec.remote
@@ -464,18 +514,8 @@ class PDConnector(KVConnector):
                 stream.synchronize()
         return sum(t.numel() * t.element_size() for t in staging)
 
-    def _receive_gpu_direct(self, spec: LoadSpec) -> tuple[int, TransferHold]:
-        """Peer-to-peer copy out of the prefill worker's mapped cache, under a hold on its
-        lease asked for over the control channel as the copy starts: the copy is used only once
-        the prefill worker answered that it holds the lease (a lease that ended before answers
-        not_found or aborted, and the load fails rather than use blocks that may be reused).
-        Returns the bytes copied and the hold, which the caller confirms."""
-        from tandem.kv.cuda_ipc import copy_blocks, open_handle
-
-        remote = spec.remote
-        engine_id = remote["remote_engine_id"]
-        if engine_id not in self.remote_caches:
-            self.remote_caches[engine_id] = open_handle(remote["kv_ipc_handle"], self.device)
+    def _hold(self, remote: dict[str, Any]) -> TransferHold:
+        """A hold on the prefill's lease, once the prefill worker holds it."""
         hold = self.client.hold(
             remote["remote_host"],
             int(remote["remote_port"]),
@@ -483,20 +523,70 @@ class PDConnector(KVConnector):
             timeout=self.config.transfer_timeout_s,
         )
         try:
-            remote_ids = remote["remote_block_ids"][spec.first_block :]
-            if remote_ids:  # none when the local prefix cache holds the whole prompt
-                copy_blocks(
-                    self.remote_caches[engine_id],
-                    remote_ids,
-                    self.kv_cache,
-                    spec.local_block_ids,
-                    self.copy_stream,
-                )
             hold.wait()
         except BaseException:
             hold.abandon()
             raise
-        return len(remote_ids) * self.kv_spec.bytes_per_block, hold
+        return hold
+
+    def _remote_cache(self, remote: dict[str, Any]) -> torch.Tensor:
+        """The prefill worker's KV cache, mapped on its first transfer."""
+        from tandem.kv.cuda_ipc import open_handle
+
+        engine_id = remote["remote_engine_id"]
+        if engine_id not in self.remote_caches:
+            self.remote_caches[engine_id] = open_handle(remote["kv_ipc_handle"], self.device)
+        return self.remote_caches[engine_id]
+
+    def _start_ready_copies(self) -> None:
+        """Engine thread: queue the copies of the held GPU-direct loads on the GPU and report
+        them loaded (the kernels queued after them wait for them); a load whose request went
+        away meanwhile only frees its blocks. The prefill's lease is confirmed from a thread
+        once the copy is done."""
+        from tandem.kv.cuda_ipc import launch_copy_blocks
+
+        with self.lock:
+            ready, self.ready_copies = self.ready_copies, []
+        for copy in ready:
+            spec = copy.spec
+            remote_ids = spec.remote["remote_block_ids"][spec.first_block :]
+            with self.lock:
+                abandoned = spec.request_id in self.abandoned_loads
+            queued_at = time.monotonic()
+            events, failure = None, None
+            try:
+                if remote_ids and not abandoned:  # none: the local prefix cache holds them all
+                    events = launch_copy_blocks(
+                        copy.remote_cache, remote_ids, self.kv_cache, spec.local_block_ids
+                    )
+            except Exception:
+                failure = "error"
+                logger.exception("KV copy of %s failed", spec.request_id)
+            num_bytes = len(remote_ids) * self.kv_spec.bytes_per_block
+            loaded = failure is None and not abandoned
+            self._report_load(spec, copy.handed_off, failure, num_bytes if loaded else None, None)
+            if failure is not None:
+                copy.hold.abandon()
+            else:
+                since_start = queued_at - copy.started if loaded else None
+                self.executor.submit(self._confirm_copy, copy, events, since_start)
+
+    def _confirm_copy(
+        self,
+        copy: ReadyCopy,
+        events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
+        seconds: float | None,
+    ) -> None:
+        """Confirmation thread: once the copy is done, record the transfer's time (`seconds`
+        until the copy was queued, plus the copy on the GPU) and confirm."""
+        if events is not None:
+            queued, done = events
+            done.synchronize()
+            seconds += queued.elapsed_time(done) / 1e3
+        if seconds is not None:
+            with self.lock:
+                self.new_transfer_seconds.append(seconds)
+        self._confirm_held(copy.spec, copy.hold)
 
     def _confirm_held(self, spec: LoadSpec, hold: TransferHold) -> None:
         """Confirms a GPU-direct load (after its report): the prefill worker frees the blocks.
@@ -526,6 +616,8 @@ class PDConnector(KVConnector):
             )
 
     def get_finished(self) -> KVConnectorOutput | None:
+        if self.ready_copies:
+            self._start_ready_copies()
         now = time.monotonic()
         with self.lock:
             expired = [

@@ -110,35 +110,43 @@ def open_handle(handle: str, local_device: torch.device) -> torch.Tensor:
     return rebuild_cuda_tensor(*args)
 
 
-def copy_blocks(
+def launch_copy_blocks(
     remote_cache: torch.Tensor,
     remote_block_ids: list[int],
     local_cache: torch.Tensor,
     local_block_ids: list[int],
-    stream: torch.cuda.Stream,
     use_kernel: bool = True,
-) -> None:
-    """Copy remote blocks into local blocks (all layers, keys and values) on `stream`, and wait
-    for the copy to finish. Caches: [layers, 2, num_blocks, block_size, kv_heads, head_dim].
+) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """Queue the copy of remote blocks into local blocks (all layers, keys and values) without
+    waiting for it: it starts after the work already queued on the local GPU's current stream
+    (which may still use the local blocks), and that stream's later work waits for it. Caches:
+    [layers, 2, num_blocks, block_size, kv_heads, head_dim]. Returns two timing events on the
+    remote GPU: recorded as the copy is queued, and once it is done.
     use_kernel=False (or no Triton) gathers on the remote GPU and makes one peer copy instead."""
     local_device, remote_device = local_cache.device, remote_cache.device
+    local_stream = torch.cuda.current_stream(local_device)
     ready = torch.cuda.Event()
-    ready.record(stream)  # the local blocks are free to overwrite from here on
+    ready.record(local_stream)
+    queued, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.device(remote_device):
         remote_stream = torch.cuda.current_stream(remote_device)
+        queued.record(remote_stream)
         remote_stream.wait_event(ready)
         if use_kernel and triton is not None:
             ids = np.array([remote_block_ids, local_block_ids], dtype=np.int32)
             ids = torch.from_numpy(ids).pin_memory().to(remote_device, non_blocking=True)
             copy_blocks_kernel(remote_cache, ids[0], local_cache, ids[1])
-            remote_stream.synchronize()
-            return
+            done.record(remote_stream)
+            local_stream.wait_event(done)
+            return queued, done
         planes = remote_cache.shape[0] * remote_cache.shape[1]
         remote_ids = torch.tensor(remote_block_ids, device=remote_device)
         gathered = remote_cache.view(planes, remote_cache.shape[2], -1)[:, remote_ids]
-        remote_stream.synchronize()
-    with torch.cuda.stream(stream):
+        local_stream.wait_stream(remote_stream)
+    with torch.cuda.stream(local_stream):
         local_ids = torch.tensor(local_block_ids, device=local_device)
         moved = gathered.to(local_device, non_blocking=True)
         local_cache.view(planes, local_cache.shape[2], -1)[:, local_ids] = moved
-    stream.synchronize()
+    remote_stream.wait_stream(local_stream)
+    done.record(remote_stream)  # on the remote GPU, as `queued`, so the two time the copy
+    return queued, done
