@@ -69,6 +69,10 @@ from tandem.kv.transport import KVTransferError, TransferHold, TransportFault
 logger = logging.getLogger(__name__)
 
 LOAD_THREADS = 4
+# GPU-direct confirmations get threads of their own: on the load threads they could queue behind
+# handoffs that wait for prefills, which may themselves wait for the blocks those confirmations
+# free.
+CONFIRM_THREADS = 4
 
 
 @dataclass
@@ -140,6 +144,7 @@ class PDConnector(KVConnector):
         self.ready_copies: list[ReadyCopy] = []  # held GPU-direct loads, for the engine thread
         self.client = None
         self.executor: ThreadPoolExecutor | None = None
+        self.confirmations: ThreadPoolExecutor | None = None  # cuda-ipc: after each copy
         # reports, filled by transport threads, drained by get_finished / stats
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
@@ -179,6 +184,10 @@ class PDConnector(KVConnector):
         if self.config.loads_kv:
             self.client = TcpKVClient()
             self.executor = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load")
+            if self.gpu_direct:
+                self.confirmations = ThreadPoolExecutor(
+                    CONFIRM_THREADS, thread_name_prefix="kv-confirm"
+                )
 
     # -- scheduler side --------------------------------------------------------------------------
 
@@ -380,7 +389,8 @@ class PDConnector(KVConnector):
             if handed_off is None or handed_off.finish_reason is None:
                 self._check_compatible(spec.remote, spec.num_prompt_tokens)
                 if self.gpu_direct:
-                    hold = hold or self._hold(spec.remote)
+                    if hold is None:  # vLLM's flow, or an announcement that came without it
+                        hold = self._hold_lease(spec.remote)
                     remote_cache = self._remote_cache(spec.remote)
                     ready = ReadyCopy(spec, hold, remote_cache, handed_off, started)
                     with self.lock:
@@ -514,7 +524,7 @@ class PDConnector(KVConnector):
                 stream.synchronize()
         return sum(t.numel() * t.element_size() for t in staging)
 
-    def _hold(self, remote: dict[str, Any]) -> TransferHold:
+    def _hold_lease(self, remote: dict[str, Any]) -> TransferHold:
         """A hold on the prefill's lease, once the prefill worker holds it."""
         hold = self.client.hold(
             remote["remote_host"],
@@ -569,7 +579,7 @@ class PDConnector(KVConnector):
                 copy.hold.abandon()
             else:
                 since_start = queued_at - copy.started if loaded else None
-                self.executor.submit(self._confirm_copy, copy, events, since_start)
+                self.confirmations.submit(self._confirm_copy, copy, events, since_start)
 
     def _confirm_copy(
         self,
@@ -713,8 +723,9 @@ class PDConnector(KVConnector):
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.close()
-        if self.executor is not None:
-            self.executor.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.executor, self.confirmations):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         if self.client is not None:
             self.client.close()
 
