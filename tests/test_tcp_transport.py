@@ -810,6 +810,39 @@ def test_a_cancelled_wait_ends_and_the_server_forgets_it(make_server, client):
     assert server._handoffs == {}
 
 
+def test_a_held_wait_given_up_leaves_no_hold(make_server, client):
+    """A held wait cancelled just before the announcement: whether the server sees the client
+    gone first (nothing is held) or holds and sends first (the send or the wait for CONFIRM
+    fails), no hold outlives the connection."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    cancelled = threading.Event()
+    failures: list[KVTransferError] = []
+
+    def wait() -> None:
+        try:
+            client.await_held_announcement(
+                "127.0.0.1", server.port, "h", timeout=30, hold_timeout=30, cancelled=cancelled
+            )
+        except KVTransferError as exc:
+            failures.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    cancelled.set()
+    waiter.join(5.0)
+    assert [f.kind for f in failures] == ["aborted"]
+    server.announce("h", {"remote_request_id": "gpu"}, transfer_id="gpu")
+    deadline = time.monotonic() + 5.0  # the connection's thread ends once it sees the close
+    while server._connections and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not server._connections
+    assert len(owner.held) == done.calls.count(("gpu", False)) <= 1
+    assert ("gpu", True) not in done.calls
+
+
 def test_a_wait_for_an_unreachable_server_is_a_connection_error(client):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
