@@ -126,10 +126,14 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         # Transfers first: a request whose KV has just arrived is scheduled in this step.
         outputs = self.take_finished_transfers()
+        outputs.extend(self.step_batch())
+        return outputs
+
+    def step_batch(self) -> list[EngineCoreOutput]:
+        """Schedule, run and update one batch, without taking finished transfers first."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
-        outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
-        return outputs
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def shutdown(self) -> None:
         self.connector.shutdown()

@@ -146,7 +146,7 @@ def run_engine_core(
                 # front end opens the stream while that step runs.
                 if transfer_outputs := core.take_finished_transfers():
                     outputs.send_pyobj(("outputs", transfer_outputs, collect_stats(core)))
-                step_outputs.extend(core.step())
+                step_outputs.extend(core.step_batch())
             now = time.monotonic()
             if step_outputs or now - last_stats > STATS_INTERVAL_S:
                 outputs.send_pyobj(("outputs", step_outputs, collect_stats(core)))
