@@ -32,7 +32,6 @@ from tandem.router.relay import RelayResponse, error_body
 from tandem.router.workers import WorkerPool
 
 PROXIED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-API_KEY_MESSAGE = "a valid API key is required: send it as 'Authorization: Bearer <key>'"
 
 
 class WorkerAnnouncement(BaseModel):
@@ -51,6 +50,14 @@ def error_response(status: int, message: str, code: str, error_type: str) -> Res
 def _bearer_matches(headers: Headers, secret: str) -> bool:
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), secret)
+
+
+def refuse_without_api_key(headers: Headers, api_key: str | None) -> Response | None:
+    """The 401 for a public endpoint called without the router's API key (None: it has none)."""
+    if api_key is None or _bearer_matches(headers, api_key):
+        return None
+    message = "a valid API key is required: send it as 'Authorization: Bearer <key>'"
+    return error_response(401, message, "invalid_api_key", "invalid_request_error")
 
 
 def parse_request_body(raw: bytes) -> dict[str, Any] | Response:
@@ -98,8 +105,9 @@ class ProxiedRoutes:
             response = error_response(405, message, "method_not_allowed", "invalid_request_error")
             response.headers["allow"] = "POST"
             return response
-        if self.api_key is not None and not _bearer_matches(Headers(scope=scope), self.api_key):
-            return error_response(401, API_KEY_MESSAGE, "invalid_api_key", "invalid_request_error")
+        refusal = refuse_without_api_key(Headers(scope=scope), self.api_key)
+        if refusal is not None:
+            return refusal
         chunks = []
         while True:
             message = await receive()
@@ -138,11 +146,6 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.metrics = metrics
     app.add_middleware(ProxiedRoutes, proxy=proxy, api_key=config.api_key)
 
-    def refuse_without_api_key(request: Request) -> Response | None:
-        if config.api_key is None or _bearer_matches(request.headers, config.api_key):
-            return None
-        return error_response(401, API_KEY_MESSAGE, "invalid_api_key", "invalid_request_error")
-
     def refuse_without_cluster_token(request: Request) -> Response | None:
         if config.cluster_token is None:
             message = "worker registration is off: start the router with --cluster-token"
@@ -154,7 +157,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        refusal = refuse_without_api_key(request)
+        refusal = refuse_without_api_key(request.headers, config.api_key)
         if refusal is not None:
             return refusal
         data = [{"id": name, "object": "model", "owned_by": "tandem"} for name in pool.models()]
@@ -173,7 +176,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/internal/workers")
     async def list_workers(request: Request) -> Response:
-        refusal = refuse_without_api_key(request)
+        refusal = refuse_without_api_key(request.headers, config.api_key)
         if refusal is not None:
             return refusal
         return JSONResponse({"workers": [worker.describe() for worker in pool.workers()]})
