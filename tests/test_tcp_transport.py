@@ -539,6 +539,17 @@ class HoldOwner:
         return True
 
 
+def assert_release_ends_the_transfer(hold, server, client, done) -> None:
+    """hold.release() confirms (on_transfer_done(id, True)) and the server forgets the transfer,
+    as after a fetch; the connection went back to the pool and served the next request."""
+    hold.release()
+    assert done.wait_for(1) == [("gpu", True)]
+    with pytest.raises(KVTransferError) as error:
+        client.hold("127.0.0.1", server.port, "gpu", timeout=5).wait()
+    assert error.value.kind == "not_found"
+    assert server.connections_accepted == 1
+
+
 def test_a_hold_keeps_a_transfer_until_its_release(make_server, client):
     owner = HoldOwner()
     server, done = make_server(on_transfer_held=owner)
@@ -547,12 +558,7 @@ def test_a_hold_keeps_a_transfer_until_its_release(make_server, client):
     hold.wait()
     assert owner.held == ["gpu"]
     assert done.calls == []  # held, not done: the transfer is still published
-    hold.release()
-    assert done.wait_for(1) == [("gpu", True)]
-    with pytest.raises(KVTransferError) as error:  # forgotten, as after a fetch
-        client.hold("127.0.0.1", server.port, "gpu", timeout=5).wait()
-    assert error.value.kind == "not_found"
-    assert server.connections_accepted == 1  # both holds went over the one pooled connection
+    assert_release_ends_the_transfer(hold, server, client, done)
 
 
 def test_a_hold_the_owner_refuses_fails_and_the_connection_is_reused(make_server, client):
@@ -645,12 +651,7 @@ def test_an_announcement_comes_with_its_transfer_held(make_server, client, annou
     assert announcement == message and hold is not None
     assert owner.held == ["gpu"] and done.calls == []
     hold.wait()  # held already: returns at once
-    hold.release()
-    assert done.wait_for(1) == [("gpu", True)]
-    with pytest.raises(KVTransferError) as error:  # forgotten, as after a fetch
-        client.hold("127.0.0.1", server.port, "gpu", timeout=5).wait()
-    assert error.value.kind == "not_found"
-    assert server.connections_accepted == 1  # the released connection went back to the pool
+    assert_release_ends_the_transfer(hold, server, client, done)
 
 
 def test_an_announcement_holds_only_what_can_be_held(make_server, client):
