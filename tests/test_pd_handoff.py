@@ -31,7 +31,11 @@ from worker_fixtures import start_tandem
 CHECKPOINT = "llama-gqa"
 VOCAB = (1, 512)
 PROMPTS = prompt_set(1000, *VOCAB)[::3]
-SAMPLING = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 5}}
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "seeded": {"temperature": 0.8, "seed": 5},
+    "penalized": {"temperature": 0.0, "frequency_penalty": -1.0, "repetition_penalty": 0.7},
+}
 PATH = "/v1/completions"
 
 

@@ -35,7 +35,13 @@ BLOCK_SIZE = 16
 DECODE_KV_BLOCKS = 80
 VOCAB = (1, 512)
 PROMPTS = prompt_set(1000, *VOCAB)
-SAMPLING = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 77}}
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "seeded": {"temperature": 0.8, "seed": 77},
+    # The decode worker penalizes the prefill's first token and the prompt as `both` does.
+    "penalized": {"temperature": 0.0, "repetition_penalty": 0.7, "frequency_penalty": -1.0,
+                  "presence_penalty": -0.5, "logit_bias": {"7": 2.0}},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """The sampler against independent references: argmax, hand-made allowed sets for top-k/top-p/
-min-p, softmax(logits / T) frequencies, log_softmax in float64 for logprobs, and seeded rows that
-do not depend on the rest of the batch."""
+min-p, softmax(logits / T) frequencies, log_softmax in float64 for logprobs, seeded rows that
+do not depend on the rest of the batch, and penalties and logit_bias written out token by token
+(repetition also against transformers' own logits processor)."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -219,3 +221,120 @@ def test_min_tokens_suppresses_eos_and_stop_ids(device):
     )
     assert not {EOS, stop_id} & set(token_ids)
     assert logprobs[0].top[0][0] == EOS
+
+
+def with_history(params: SamplingParams, prompt: list[int], outputs: list[int], request_id="r"):
+    return ScheduledRequest(request_id, [1], 0, [0], True, params, len(outputs), prompt, outputs)
+
+
+def penalized_by_hand(
+    logits_row: np.ndarray, params: SamplingParams, prompt: list[int], outputs: list[int]
+) -> np.ndarray:
+    """logit_bias, then OpenAI's presence/frequency and the HF repetition penalty, one token at
+    a time in float64."""
+    values = logits_row.astype(np.float64)
+    for token_id, bias in params.logit_bias.items():
+        values[token_id] += bias
+    for token_id in set(prompt) | set(outputs):
+        if values[token_id] > 0:
+            values[token_id] /= params.repetition_penalty
+        else:
+            values[token_id] *= params.repetition_penalty
+    for token_id, count in Counter(outputs).items():
+        values[token_id] -= params.frequency_penalty * count + params.presence_penalty
+    return values
+
+
+def random_history(logits_row: torch.Tensor, rng: np.random.Generator) -> tuple[list, list]:
+    """A prompt and outputs that repeat some of the row's likeliest tokens (so that penalties
+    change the argmax) among random ones."""
+    likely = logits_row.topk(4).indices.tolist()
+    prompt = rng.integers(0, logits_row.numel(), rng.integers(1, 30)).tolist()
+    outputs = rng.integers(0, logits_row.numel(), rng.integers(0, 12)).tolist()
+    outputs += rng.choice(likely, rng.integers(0, 6)).tolist()
+    prompt += rng.choice(likely, rng.integers(0, 3)).tolist()
+    return prompt, outputs
+
+
+def test_penalties_and_logit_bias_move_the_argmax_as_written_out(device):
+    rng = np.random.default_rng(11)
+    logits = random_logits(48, 300, seed=11)
+    rows, expected = [], []
+    for i in range(48):
+        params = SamplingParams(
+            temperature=0,
+            presence_penalty=float(rng.uniform(-2, 2)) if i % 4 else 0.0,
+            frequency_penalty=float(rng.uniform(-2, 2)) if i % 3 else 0.0,
+            repetition_penalty=float(rng.uniform(0.5, 2.0)) if i % 2 else 1.0,
+            logit_bias={int(t): float(rng.uniform(-5, 5)) for t in rng.integers(0, 300, 3)},
+        )
+        prompt, outputs = random_history(logits[i], rng)
+        rows.append(with_history(params, prompt, outputs, str(i)))
+        expected.append(int(penalized_by_hand(logits[i].numpy(), params, prompt, outputs).argmax()))
+    token_ids, _ = sample(logits, rows, device)
+    assert token_ids == expected
+    moved = sum(e != a for e, a in zip(expected, logits.argmax(dim=-1).tolist(), strict=True))
+    assert moved >= 12  # the check can fail: a quarter of the rows move off the raw argmax
+
+
+def test_repetition_penalty_matches_transformers(device):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    rng = np.random.default_rng(12)
+    logits = random_logits(16, 300, seed=12)
+    rows, expected = [], []
+    for i in range(16):
+        penalty = float(rng.uniform(1.1, 3.0)) if i % 2 else float(rng.uniform(0.3, 0.9))
+        prompt, outputs = random_history(logits[i], rng)
+        rows.append(with_history(SamplingParams(temperature=0, repetition_penalty=penalty),
+                                 prompt, outputs, str(i)))  # fmt: skip
+        processor = RepetitionPenaltyLogitsProcessor(penalty)
+        scores = processor(torch.tensor([prompt + outputs]), logits[i : i + 1].clone())
+        expected.append(int(scores.argmax()))
+    assert sample(logits, rows, device)[0] == expected
+    assert expected != logits.argmax(dim=-1).tolist()
+
+
+def test_logit_bias_limits_sampled_rows_and_logprobs_stay_raw(device):
+    logits = random_logits(1, 50, seed=13)
+    allowed = [3, 17, 41]
+    bias = {t: -100.0 for t in range(50) if t not in allowed} | {41: 2.0}
+    params = SamplingParams(temperature=1.0, logit_bias=bias, logprobs=0)
+    count = 3000
+    rows = [with_history(params, [1], [], str(i)) for i in range(count)]
+    token_ids, logprobs = sample(logits.repeat(count, 1), rows, device)
+    assert set(token_ids) == set(allowed)
+    biased = logits[0, allowed].double() + torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64)
+    expected = torch.softmax(biased, dim=-1).numpy()
+    frequencies = np.array([token_ids.count(t) for t in allowed]) / count
+    assert frequencies == pytest.approx(expected, abs=0.04)
+    raw = torch.log_softmax(logits[0].double(), dim=-1)
+    assert logprobs[0].logprob == pytest.approx(float(raw[token_ids[0]]), abs=1e-5)
+
+
+def test_rows_without_penalties_are_left_alone(device):
+    logits = random_logits(8, 300, seed=14)
+    penalized = SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
+    plain = SamplingParams(temperature=0)
+    argmax = logits.argmax(dim=-1).tolist()
+    rows = [
+        with_history(penalized if i % 2 else plain, [argmax[i]], [argmax[i]] * 3, str(i))
+        for i in range(8)
+    ]
+    token_ids, _ = sample(logits, rows, device)
+    assert [token_ids[i] for i in range(0, 8, 2)] == [argmax[i] for i in range(0, 8, 2)]
+    assert all(token_ids[i] != argmax[i] for i in range(1, 8, 2))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+    ],
+)
+def test_out_of_range_penalties_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)

@@ -160,7 +160,8 @@ def test_context_is_capped_by_the_kv_cache(tiny_checkpoints):
 def test_stop_token_id_outside_the_vocabulary_is_refused(llm, stop_id):
     """min_tokens bans the stop ids in the logits, so an id outside them must not get that far."""
     params = SamplingParams(min_tokens=2, max_tokens=4, stop_token_ids=[stop_id])
-    with pytest.raises(ValueError, match=f"stop token id {stop_id} is outside the vocabulary"):
+    message = f"stop_token_ids: token id {stop_id} is outside the vocabulary"
+    with pytest.raises(ValueError, match=message):
         llm.generate([[1, 2, 3]], params)
     assert_all_blocks_free(llm)
 
@@ -173,4 +174,42 @@ def test_a_refused_prompt_starts_none_of_its_batch(llm):
     assert not llm.core.scheduler.has_unfinished_requests()
     (output,) = llm.generate([[1, 2, 3]], good)
     assert len(output.outputs[0].token_ids) == 3
+    assert_all_blocks_free(llm)
+
+
+def test_greedy_penalties_match_transformers(llm, tiny_checkpoints):
+    """Repetition penalty against transformers' generate; presence, frequency and logit_bias
+    against a greedy loop over transformers' logits with the penalties written out by hand.
+    An unpenalized request shares the batch."""
+    from transformers import AutoModelForCausalLM
+
+    from test_sampler import penalized_by_hand
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[SHAPE], dtype=torch.float32)
+    prompts = random_prompts(4, seed=9)
+    steps = 10
+    greedy = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    # A random model seldom repeats a token, so the first two ask for repeats (penalties < 0).
+    params = [
+        greedy.with_updates(repetition_penalty=0.7),
+        greedy.with_updates(frequency_penalty=-1.0, presence_penalty=-0.5),
+        greedy.with_updates(repetition_penalty=1.3, logit_bias={prompts[2][0]: 3.0, 5: -2.0}),
+        greedy,
+    ]
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    with torch.no_grad():
+        generated = reference.generate(
+            torch.tensor([prompts[0]]), max_new_tokens=steps, min_new_tokens=steps,
+            do_sample=False, repetition_penalty=0.7, pad_token_id=0,
+        )  # fmt: skip
+        assert outputs[0] == generated[0, len(prompts[0]) :].tolist()
+        for prompt, p, output in zip(prompts[1:], params[1:], outputs[1:], strict=True):
+            tokens: list[int] = []
+            for _ in range(steps):
+                logits = reference(torch.tensor([prompt + tokens])).logits[0, -1].numpy()
+                tokens.append(int(penalized_by_hand(logits, p, prompt, tokens).argmax()))
+            assert output == tokens
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], greedy)]
+    assert all(a != b for a, b in zip(plain, outputs[:3], strict=True))  # the penalties bite
     assert_all_blocks_free(llm)

@@ -246,8 +246,27 @@ async def test_request_fields_match_the_offline_engine(async_client, llm):
         "min_tokens": (YES_OR_NO, {"temperature": 0, "min_tokens": 6, "max_tokens": 8}, None),
         "ignore_eos": (YES_OR_NO, {"temperature": 0, "ignore_eos": True, "max_tokens": 7}, None),
         "chat seed": (YES_OR_NO, {"temperature": 1.2, "seed": 9, "max_tokens": 6}, None),
+        "penalties": (
+            FRUITS,
+            {
+                "temperature": 0,
+                "frequency_penalty": 1.5,
+                "presence_penalty": 1.0,
+                "repetition_penalty": 1.3,
+                "max_tokens": 12,
+            },
+            None,
+        ),  # fmt: skip
+        "logit_bias": (
+            FRUITS,
+            {"temperature": 0, "logit_bias": {str(tokens[0]): -100}, "max_tokens": 4},
+            {"temperature": 0, "logit_bias": {tokens[0]: -100}, "max_tokens": 4},
+        ),
     }
-    openai_fields = {"temperature", "top_p", "seed", "stop", "max_tokens", "n"}
+    openai_fields = {
+        "temperature", "top_p", "seed", "stop", "max_tokens", "n", "frequency_penalty",
+        "presence_penalty", "logit_bias",
+    }  # fmt: skip
 
     async def ask(prompt, fields: dict[str, Any]):
         known = {k: v for k, v in fields.items() if k in openai_fields}
@@ -294,6 +313,8 @@ async def test_request_fields_match_the_offline_engine(async_client, llm):
     assert len(only_choice("min_tokens")[2]["token_ids"]) >= 6
     assert only_choice("ignore_eos")[:2] == ("length", None)
     assert len({choice.text for choice in responses["n"].choices}) == 2
+    assert only_choice("penalties")[2]["token_ids"] != tokens
+    assert only_choice("logit_bias")[2]["token_ids"][0] != tokens[0]
 
 
 def test_logprobs_and_echo(client, llm):
@@ -517,6 +538,18 @@ BAD_REQUESTS = [
     ("logprobs-too-many", COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("top-logprobs-too-many", CHAT, {"messages": HI, "top_logprobs": 21}, 400, "top_logprobs"),
     ("empty-stop-string", COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, None),
+    ("presence-penalty-too-big", COMPLETIONS, {"prompt": "hi", "presence_penalty": 2.5}, 400, None),
+    ("frequency-penalty-too-small", CHAT, {"messages": HI, "frequency_penalty": -3}, 400, None),
+    ("repetition-penalty-zero", COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, 400, None),
+    ("logit-bias-word", COMPLETIONS, {"prompt": "hi", "logit_bias": {"apple": 1}}, 400, None),
+    ("logit-bias-too-big", CHAT, {"messages": HI, "logit_bias": {"5": 150}}, 400, None),
+    (
+        "logit-bias-outside-vocabulary",
+        COMPLETIONS,
+        {"prompt": "hi", "logit_bias": {"99999999": 1}},
+        400,
+        None,
+    ),
     ("max-tokens-over-context", COMPLETIONS, {"prompt": "hi", "max_tokens": 8192}, 400, None),
     ("max-tokens-huge", COMPLETIONS, {"prompt": "hi", "max_tokens": 10**30}, 400, None),
     ("max-tokens-over-context-chat", CHAT, {"messages": HI, "max_tokens": 9000}, 400, None),

@@ -7,6 +7,7 @@ engine core reports per-request progress to its client (`EngineCoreOutput`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,9 @@ class ScheduledRequest:
     sample: bool  # this step reaches the request's last token: sample the next one
     sampling_params: SamplingParams
     output_index: int  # index of the token to be sampled among the request's outputs
+    # The request's own lists (not copies), read by the sampler's penalties when it has any.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
 
 @dataclass

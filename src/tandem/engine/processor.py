@@ -88,11 +88,16 @@ class InputProcessor:
                 f"the context length of {self.max_model_len}; lower max_tokens or shorten the "
                 "prompt"
             )
-        bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop_ids:
-            raise ValueError(
-                f"stop token id {bad_stop_ids[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        for field_name, token_ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+        ):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{field_name}: token id {bad[0]} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
         requests = []
         for index in range(params.n):
             child_params = params

@@ -1,18 +1,22 @@
 """Token sampling for one step's batch of logits.
 
-Greedy rows take the argmax. Other rows divide by the temperature, mask by top-k, top-p and min-p,
-and sample by an exponential race (argmax of probs / E with E ~ Exp(1)), which equals drawing from
-the categorical distribution. A seeded request draws its noise from a generator seeded by
-(seed, output index), so its token depends on nothing else in the batch, and a request continued
-elsewhere (PD decode) draws the same noise for the same output index.
+The logits first take each request's logit_bias and its penalties on the tokens it has seen
+(presence, frequency, repetition; see SamplingParams). Then greedy rows take the argmax. Other
+rows divide by the temperature, mask by top-k, top-p and min-p, and sample by an exponential
+race (argmax of probs / E with E ~ Exp(1)), which equals drawing from the categorical
+distribution. A seeded request draws its noise from a generator seeded by (seed, output index),
+so its token depends on nothing else in the batch, and a request continued elsewhere (PD decode)
+draws the same noise for the same output index.
 
-Logprobs are those of the model's raw distribution (before temperature and masks).
+Logprobs are those of the model's raw distribution (before bias, penalties, temperature and
+masks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
 
 from tandem.engine.outputs import ScheduledRequest, TokenLogprobs
@@ -48,6 +52,8 @@ class Sampler:
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._suppress_early_stops(logits, requests)
+        logits = self._apply_logit_bias(logits, requests)
+        logits = self._apply_penalties(logits, requests)
 
         params = [r.sampling_params for r in requests]
         sampled = logits.argmax(dim=-1)
@@ -103,6 +109,57 @@ class Sampler:
         return logits
 
     @staticmethod
+    def _apply_logit_bias(
+        logits: torch.Tensor, requests: Sequence[ScheduledRequest]
+    ) -> torch.Tensor:
+        entries = [
+            (row, token_id, bias)
+            for row, request in enumerate(requests)
+            for token_id, bias in request.sampling_params.logit_bias.items()
+        ]
+        if not entries:
+            return logits
+        rows, token_ids, biases = zip(*entries, strict=True)
+        device = logits.device
+        biased = logits.clone()
+        biased.index_put_(
+            (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)),
+            torch.tensor(biases, device=device, dtype=logits.dtype),
+            accumulate=True,
+        )
+        return biased
+
+    @staticmethod
+    def _apply_penalties(
+        logits: torch.Tensor, requests: Sequence[ScheduledRequest]
+    ) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.penalizes_history]
+        if not rows:
+            return logits
+        params = [requests[i].sampling_params for i in rows]
+        device, dtype, vocab = logits.device, logits.dtype, logits.shape[-1]
+
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, device=device, dtype=dtype)[:, None]
+
+        output_counts = token_counts([requests[i].output_token_ids for i in rows], vocab, device)
+        penalized = logits[rows]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            in_prompt = token_counts([requests[i].prompt_token_ids for i in rows], vocab, device)
+            seen = (in_prompt > 0) | (output_counts > 0)
+            repetition = column([p.repetition_penalty for p in params])
+            scaled = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
+            penalized = torch.where(seen, scaled, penalized)
+        penalized = (
+            penalized
+            - column([p.frequency_penalty for p in params]) * output_counts
+            - column([p.presence_penalty for p in params]) * (output_counts > 0)
+        )
+        result = logits.clone()
+        result[rows] = penalized
+        return result
+
+    @staticmethod
     def _apply_masks(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
         vocab = logits.shape[-1]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -124,3 +181,17 @@ class Sampler:
         remove[:, 0] = False  # the most likely token always stays
         masked = sorted_logits.masked_fill(remove, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, masked)
+
+
+def token_counts(
+    sequences: Sequence[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[len(sequences), vocab] float32: how often each token id occurs in each sequence."""
+    width = max(len(sequence) for sequence in sequences)
+    padded = np.full((len(sequences), width + 1), vocab, dtype=np.int64)  # vocab: a spare column
+    for row, sequence in enumerate(sequences):
+        padded[row, : len(sequence)] = sequence
+    token_ids = torch.from_numpy(padded).to(device)
+    counts = torch.zeros(len(sequences), vocab + 1, device=device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
+    return counts[:, :vocab]

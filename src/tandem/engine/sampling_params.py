@@ -26,6 +26,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per sampled token (0: only the sampled one)
     skip_special_tokens: bool = True
+    # Penalties on tokens already seen, as in OpenAI and vLLM: presence and frequency subtract
+    # from the logit of every token generated so far (once, and once per occurrence);
+    # repetition (HF/CTRL style) divides positive logits and multiplies negative ones of every
+    # token in the prompt or the output. logit_bias is added to the logits of the given ids.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +59,13 @@ class SamplingParams:
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 means none)"),
+            (
+                all(-100 <= bias <= 100 for bias in self.logit_bias.values()),
+                "logit_bias values must be in [-100, 100]",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -59,6 +74,13 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalizes_history(self) -> bool:
+        """Whether sampling needs the tokens the request has seen so far."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     def with_updates(self, **changes) -> SamplingParams:
         return replace(self, **changes)

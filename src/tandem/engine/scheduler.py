@@ -194,6 +194,8 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             output_index=request.num_output_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -29,6 +29,10 @@ class SamplingFields(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added logit
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -57,6 +61,10 @@ class SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=dict(self.logit_bias or {}),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
