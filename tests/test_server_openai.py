@@ -538,6 +538,8 @@ BAD_REQUESTS = [
     ("logprobs-too-many", COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("top-logprobs-too-many", CHAT, {"messages": HI, "top_logprobs": 21}, 400, "top_logprobs"),
     ("empty-stop-string", COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, None),
+    ("suffix", COMPLETIONS, {"prompt": "def f(", "suffix": "return x"}, 400, "suffix"),
+    ("best-of", COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("presence-penalty-too-big", COMPLETIONS, {"prompt": "hi", "presence_penalty": 2.5}, 400, None),
     ("frequency-penalty-too-small", CHAT, {"messages": HI, "frequency_penalty": -3}, 400, None),
     ("repetition-penalty-zero", COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, 400, None),
