@@ -69,6 +69,30 @@ def resolve_model(spec: str) -> ModelSource:
     )
 
 
+# generation_config.json keys that set a sampling default -> the request field they fill
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def sampling_defaults(source: ModelSource) -> dict[str, Any]:
+    """What a Hugging Face model's generation_config.json sets away from transformers' own
+    defaults, by request field (vLLM serves these as the defaults of fields a request leaves
+    out). Empty for GGUF files and configs without weights."""
+    if source.kind != "hf" or not (source.path / "generation_config.json").is_file():
+        return {}
+    from transformers import GenerationConfig
+
+    changed = GenerationConfig.from_pretrained(source.path).to_diff_dict()
+    return {
+        field: changed[key] for key, field in GENERATION_CONFIG_FIELDS.items() if key in changed
+    }
+
+
 def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 

@@ -15,6 +15,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: sampling fields a request leaves out take the values of the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), as "
+        "vLLM does; none: tandem's defaults",
+    )
     kv = parser.add_argument_group("KV transfer (PD)")
     kv.add_argument("--kv-transport", default=None, choices=["tcp", "cuda-ipc"])
     kv.add_argument("--kv-host", default=None, help="address decode workers reach (default --host)")

@@ -12,6 +12,7 @@ import gc
 import logging
 import signal
 import sys
+from typing import Any
 
 import uvicorn
 
@@ -40,6 +41,19 @@ def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
     )
 
 
+def model_sampling_defaults(config: EngineConfig) -> dict[str, Any]:
+    from tandem.models.loader import resolve_model, sampling_defaults
+
+    defaults = sampling_defaults(resolve_model(config.model))
+    if defaults:
+        logger.info(
+            "sampling defaults from the model's generation_config.json: %s "
+            "(requests override them; --generation-config none ignores them)",
+            defaults,
+        )
+    return defaults
+
+
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -51,6 +65,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         role=args.role,
         kv_transport=kv_config.transport if kv_config else None,
         kv_host=kv_config.host if kv_config else None,
+        sampling_defaults=model_sampling_defaults(config)
+        if args.generation_config == "auto"
+        else {},
     )
     started = {"ok": False}
 

@@ -6,6 +6,7 @@ out-of-range values are rejected with a sentence naming the field (the app turns
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -46,24 +47,27 @@ class SamplingFields(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False  # choices (and stream chunks) carry their token ids
 
-    def sampling_params(
-        self, logprobs: int | None, default_max_tokens: int | None
-    ) -> SamplingParams:
+    def sampling_params(self, logprobs: int | None, defaults: Mapping[str, Any]) -> SamplingParams:
+        """The engine's settings for this request; `defaults` (request field -> value, from the
+        model's generation config) fill the fields it left out, before tandem's own defaults."""
+
+        def chosen(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        if max_tokens is None:
-            max_tokens = default_max_tokens
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=chosen("temperature", 1.0),
+            top_p=chosen("top_p", 1.0),
+            top_k=chosen("top_k", 0),
+            min_p=chosen("min_p", 0.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=chosen("repetition_penalty", 1.0),
             logit_bias=dict(self.logit_bias or {}),
             seed=self.seed,
             max_tokens=max_tokens,
