@@ -52,10 +52,12 @@ class Sampler:
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._suppress_early_stops(logits, requests)
-        logits = self._apply_logit_bias(logits, requests)
-        logits = self._apply_penalties(logits, requests)
-
         params = [r.sampling_params for r in requests]
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, requests)
+        if any(p.penalizes_history for p in params):
+            logits = self._apply_penalties(logits, requests)
+
         sampled = logits.argmax(dim=-1)
         if not all(p.is_greedy for p in params):
             greedy = torch.tensor([p.is_greedy for p in params], device=device)
@@ -117,8 +119,6 @@ class Sampler:
             for row, request in enumerate(requests)
             for token_id, bias in request.sampling_params.logit_bias.items()
         ]
-        if not entries:
-            return logits
         rows, token_ids, biases = zip(*entries, strict=True)
         device = logits.device
         biased = logits.clone()
@@ -134,8 +134,6 @@ class Sampler:
         logits: torch.Tensor, requests: Sequence[ScheduledRequest]
     ) -> torch.Tensor:
         rows = [i for i, r in enumerate(requests) if r.sampling_params.penalizes_history]
-        if not rows:
-            return logits
         params = [requests[i].sampling_params for i in rows]
         device, dtype, vocab = logits.device, logits.dtype, logits.shape[-1]
 

@@ -34,6 +34,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Whether sampling needs the tokens the request has seen so far (set from the penalties).
+    penalizes_history: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +44,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.penalizes_history = bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
         self._validate()
 
     def _validate(self) -> None:
@@ -74,13 +79,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
-
-    @property
-    def penalizes_history(self) -> bool:
-        """Whether sampling needs the tokens the request has seen so far."""
-        return bool(self.presence_penalty or self.frequency_penalty) or (
-            self.repetition_penalty != 1.0
-        )
 
     def with_updates(self, **changes) -> SamplingParams:
         return replace(self, **changes)
