@@ -224,7 +224,7 @@ sys.stdin.readline()
 def transfer_child(method: str) -> None:
     """One copy method in its own process (a fault there cannot take the suite down); prints
     its median seconds and whether the bytes arrived intact, as JSON."""
-    from tandem.kv.cuda_ipc import launch_copy_blocks, open_handle
+    from tandem.kv.cuda_ipc import BlockCopier, open_handle
 
     shape = (TRANSFER_LAYERS, 2, 2 * TRANSFER_BLOCKS, 16, 8, 128)
     producer = subprocess.Popen(
@@ -240,10 +240,11 @@ def transfer_child(method: str) -> None:
         local_ids = torch.randperm(2 * TRANSFER_BLOCKS)[:TRANSFER_BLOCKS].tolist()
         stream = torch.cuda.Stream("cuda:1")
         use_kernel = method == "kernel"
+        copier = BlockCopier(local)
 
         def copy() -> None:  # queued as the decode worker queues it, then waited for
             with torch.cuda.stream(stream):
-                _, done = launch_copy_blocks(remote, remote_ids, local, local_ids, use_kernel)
+                _, done = copier.launch(remote, remote_ids, local_ids, use_kernel)
             done.synchronize()
 
         copy()

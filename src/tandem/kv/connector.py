@@ -159,6 +159,7 @@ class PDConnector(KVConnector):
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ipc_handle: str | None = None
         self.remote_caches: dict[str, torch.Tensor] = {}  # cuda-ipc: engine id -> mapped cache
+        self.block_copier = None  # cuda-ipc, decode side: queues the copies into kv_cache
         self._start_transport()
 
     @property
@@ -322,6 +323,10 @@ class PDConnector(KVConnector):
             from tandem.kv.cuda_ipc import export_handle
 
             self.ipc_handle = export_handle(kv_cache)
+        if self.gpu_direct and self.config.loads_kv:
+            from tandem.kv.cuda_ipc import BlockCopier
+
+            self.block_copier = BlockCopier(kv_cache)
 
     def save_kv_layer(self, layer_index: int, metadata: ConnectorMetadata | None) -> None:
         if metadata is None or not metadata.saves:
@@ -553,8 +558,6 @@ class PDConnector(KVConnector):
         them loaded (the kernels queued after them wait for them); a load whose request went
         away meanwhile only frees its blocks. The prefill's lease is confirmed from a thread
         once the copy is done."""
-        from tandem.kv.cuda_ipc import launch_copy_blocks
-
         with self.lock:
             ready, self.ready_copies = self.ready_copies, []
         for copy in ready:
@@ -566,8 +569,8 @@ class PDConnector(KVConnector):
             events, failure = None, None
             try:
                 if remote_ids and not abandoned:  # none: the local prefix cache holds them all
-                    events = launch_copy_blocks(
-                        copy.remote_cache, remote_ids, self.kv_cache, spec.local_block_ids
+                    events = self.block_copier.launch(
+                        copy.remote_cache, remote_ids, spec.local_block_ids
                     )
             except Exception:
                 failure = "error"

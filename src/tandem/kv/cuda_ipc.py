@@ -22,9 +22,10 @@ from __future__ import annotations
 import base64
 import pickle
 
-import numpy as np
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from tandem.engine.input_staging import InputStaging
 
 try:
     import triton
@@ -110,43 +111,57 @@ def open_handle(handle: str, local_device: torch.device) -> torch.Tensor:
     return rebuild_cuda_tensor(*args)
 
 
-def launch_copy_blocks(
-    remote_cache: torch.Tensor,
-    remote_block_ids: list[int],
-    local_cache: torch.Tensor,
-    local_block_ids: list[int],
-    use_kernel: bool = True,
-) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-    """Queue the copy of remote blocks into local blocks (all layers, keys and values) without
-    waiting for it: it starts after the work already queued on the local GPU's current stream
-    (which may still use the local blocks), and that stream's later work waits for it. Caches:
-    [layers, 2, num_blocks, block_size, kv_heads, head_dim]. Returns two timing events on the
-    remote GPU: recorded as the copy is queued, and once it is done.
-    use_kernel=False (or no Triton) gathers on the remote GPU and makes one peer copy instead."""
-    local_device, remote_device = local_cache.device, remote_cache.device
-    local_stream = torch.cuda.current_stream(local_device)
-    ready = torch.cuda.Event()
-    ready.record(local_stream)
-    queued, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.device(remote_device):
-        remote_stream = torch.cuda.current_stream(remote_device)
-        queued.record(remote_stream)
-        remote_stream.wait_event(ready)
-        if use_kernel and triton is not None:
-            ids = np.array([remote_block_ids, local_block_ids], dtype=np.int32)
-            ids = torch.from_numpy(ids).pin_memory().to(remote_device, non_blocking=True)
-            copy_blocks_kernel(remote_cache, ids[0], local_cache, ids[1])
-            done.record(remote_stream)
-            local_stream.wait_event(done)
-            return queued, done
-        planes = remote_cache.shape[0] * remote_cache.shape[1]
-        remote_ids = torch.tensor(remote_block_ids, device=remote_device)
-        gathered = remote_cache.view(planes, remote_cache.shape[2], -1)[:, remote_ids]
-        local_stream.wait_stream(remote_stream)
-    with torch.cuda.stream(local_stream):
-        local_ids = torch.tensor(local_block_ids, device=local_device)
-        moved = gathered.to(local_device, non_blocking=True)
-        local_cache.view(planes, local_cache.shape[2], -1)[:, local_ids] = moved
-    remote_stream.wait_stream(local_stream)
-    done.record(remote_stream)  # on the remote GPU, as `queued`, so the two time the copy
-    return queued, done
+class BlockCopier:
+    """Queues copies of remote blocks into one local KV cache (all layers, keys and values).
+    The block ids go up through a pinned buffer kept per remote GPU: pinning fresh host memory
+    for every copy cost more host time than the rest of the launch."""
+
+    def __init__(self, local_cache: torch.Tensor) -> None:
+        self.local_cache = local_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.id_staging: dict[torch.device, InputStaging] = {}
+
+    def launch(
+        self,
+        remote_cache: torch.Tensor,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        use_kernel: bool = True,
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Queue the copy without waiting for it: it starts after the work already queued on
+        the local GPU's current stream (which may still use the local blocks), and that
+        stream's later work waits for it. Returns two timing events on the remote GPU:
+        recorded as the copy is queued, and once it is done. use_kernel=False (or no Triton)
+        gathers on the remote GPU and makes one peer copy instead."""
+        local_cache = self.local_cache
+        local_device, remote_device = local_cache.device, remote_cache.device
+        local_stream = torch.cuda.current_stream(local_device)
+        ready = torch.cuda.Event()
+        ready.record(local_stream)
+        queued, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(remote_device):
+            remote_stream = torch.cuda.current_stream(remote_device)
+            if use_kernel and triton is not None:
+                # The ids go up ahead of the wait below, so the next upload never waits on it.
+                staging = self.id_staging.setdefault(remote_device, InputStaging(remote_device))
+                remote_ids, local_ids = staging.upload(
+                    {torch.int32: (remote_block_ids, local_block_ids)}
+                )[torch.int32]
+                queued.record(remote_stream)
+                remote_stream.wait_event(ready)
+                copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids)
+                done.record(remote_stream)
+                local_stream.wait_event(done)
+                return queued, done
+            queued.record(remote_stream)
+            remote_stream.wait_event(ready)
+            planes = remote_cache.shape[0] * remote_cache.shape[1]
+            remote_ids = torch.tensor(remote_block_ids, device=remote_device)
+            gathered = remote_cache.view(planes, remote_cache.shape[2], -1)[:, remote_ids]
+            local_stream.wait_stream(remote_stream)
+        with torch.cuda.stream(local_stream):
+            local_ids = torch.tensor(local_block_ids, device=local_device)
+            moved = gathered.to(local_device, non_blocking=True)
+            local_cache.view(planes, local_cache.shape[2], -1)[:, local_ids] = moved
+        remote_stream.wait_stream(local_stream)
+        done.record(remote_stream)  # on the remote GPU, as `queued`, so the two time the copy
+        return queued, done
