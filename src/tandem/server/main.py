@@ -42,9 +42,13 @@ def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
 
 
 def model_sampling_defaults(config: EngineConfig) -> dict[str, Any]:
-    from tandem.models.loader import resolve_model, sampling_defaults
+    from tandem.models.loader import ModelNotFoundError, resolve_model, sampling_defaults
 
-    defaults = sampling_defaults(resolve_model(config.model))
+    try:
+        source = resolve_model(config.model)
+    except ModelNotFoundError:
+        return {}  # the engine's start reports it, as for any model that cannot load
+    defaults = sampling_defaults(source)
     if defaults:
         logger.info(
             "sampling defaults from the model's generation_config.json: %s "
