@@ -346,6 +346,18 @@ def test_a_refusing_or_dead_prefill_worker_is_retried_on_another(make_cluster):
     assert [worker.url for worker in cluster.pool.available(("prefill",))] == [refusing.url]
 
 
+def test_tokenize_with_no_worker_answering_is_a_503_naming_them(make_cluster):
+    cluster = make_cluster(health_interval_s=30)
+    workers = cluster.prefill + cluster.decode
+    for fake in workers:
+        fake.server.stop()
+    response = httpx.post(cluster.url + "/tokenize", json={"prompt": "r s"}, timeout=30)
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "no_worker"
+    assert all(fake.url in error["message"] for fake in workers)
+
+
 def test_decode_refusal_after_the_first_token_ends_with_an_error_event(make_cluster):
     cluster = make_cluster()
     cluster.decode[0].control.refuse_status = 503

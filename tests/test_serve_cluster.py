@@ -117,6 +117,20 @@ def test_openai_client_through_serve_matches_colocated(cluster):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
 
 
+def test_tokenize_and_detokenize_through_the_router_match_a_worker(cluster):
+    requests = [
+        ("/tokenize", {"prompt": "Once upon a time", "return_token_strs": True}),
+        ("/tokenize", {"messages": CHAT}),
+        ("/detokenize", {"tokens": [7, 1234, 890]}),
+        ("/detokenize", {"tokens": [10**9]}),  # a 400, relayed unchanged
+    ]
+    for path, body in requests:
+        routed = httpx.post(cluster["url"] + path, json=body, timeout=30)
+        direct = httpx.post(cluster["reference"].url + path, json=body, timeout=30)
+        assert (routed.status_code, routed.json()) == (direct.status_code, direct.json()), path
+    assert routed.status_code == 400
+
+
 def test_64_concurrent_streams_complete(cluster):
     async def run() -> list[tuple[str, str | None]]:
         client = openai.AsyncOpenAI(base_url=cluster["url"] + "/v1", api_key="unused")

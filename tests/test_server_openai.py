@@ -131,6 +131,48 @@ def test_models_health_and_metric_families(worker, client):
     assert read_metrics(worker.url)["tandem_kv_cache_blocks_total"] > 0
 
 
+def test_tokenize_and_detokenize_agree_with_the_tokenizer_and_the_usage(worker, client, llm):
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = httpx.post(worker.url + path, json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    expected = llm.tokenizer(FRUITS).input_ids
+    answer = post("/tokenize", {"prompt": FRUITS, "model": MODEL, "return_token_strs": True})
+    assert answer["tokens"] == expected and answer["count"] == len(expected)
+    assert answer["token_strs"] == llm.tokenizer.convert_ids_to_tokens(expected)
+    assert answer["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
+    usage = client.completions.create(model=MODEL, prompt=FRUITS, max_tokens=1).usage
+    assert usage.prompt_tokens == answer["count"]
+
+    chat = post("/tokenize", {"messages": FRANCE})
+    assert chat["tokens"] == chat_prompt_ids(llm, FRANCE) and chat["token_strs"] is None
+    usage = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1).usage
+    assert usage.prompt_tokens == chat["count"]
+
+    assert post("/detokenize", {"tokens": expected})["prompt"] == llm.tokenizer.decode(expected)
+    assert post("/detokenize", {"tokens": []})["prompt"] == ""
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/tokenize", {"prompt": "hi", "messages": FRANCE}, 400, None),
+        ("/tokenize", {}, 400, None),
+        ("/tokenize", {"prompt": "hi", "model": "gpt-5"}, 404, "model"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "hello"}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1], "model": "gpt-5"}, 404, "model"),
+    ],
+)
+def test_bad_tokenize_requests_get_4xx(worker, path, body, status, param):
+    response = httpx.post(worker.url + path, json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert len(error["message"]) > 10 and error["param"] == param
+
+
 def test_chat_about_france_says_paris_with_exact_usage(client, llm):
     response = client.chat.completions.create(
         model=MODEL, messages=FRANCE, temperature=0, max_tokens=32

@@ -1,11 +1,13 @@
 """The router's HTTP surface: the OpenAI endpoints, health, metrics and worker registration.
 
 The two proxied endpoints (`/v1/completions`, `/v1/chat/completions`) are served by a thin ASGI
-layer in front of FastAPI (`ProxiedRoutes`); the rest are FastAPI routes.
+layer in front of FastAPI (`ProxiedRoutes`); the rest are FastAPI routes. `/tokenize` and
+`/detokenize` go to any worker (all serve the same model).
 
-Public endpoints (`/v1/...`, `/internal/workers` listing) need `Authorization: Bearer <api key>`
-when the router has one; `/health` and `/metrics` stay open for probes and scrapers. The
-registration endpoints need the cluster token, and are refused outright when the router has none.
+Public endpoints (`/v1/...`, `/tokenize`, `/detokenize`, `/internal/workers` listing) need
+`Authorization: Bearer <api key>` when the router has one; `/health` and `/metrics` stay open for
+probes and scrapers. The registration endpoints need the cluster token, and are refused outright
+when the router has none.
 The router runs one health round before it serves, so static workers that are up are in the pool
 from the first request on; a registering worker joins once its own health check passes.
 """
@@ -162,6 +164,15 @@ def create_app(config: RouterConfig) -> FastAPI:
             return refusal
         data = [{"id": name, "object": "model", "owned_by": "tandem"} for name in pool.models()]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/tokenize")
+    @app.post("/detokenize")
+    async def tokenizer_endpoints(request: Request) -> Response:
+        refusal = refuse_without_api_key(request.headers, config.api_key)
+        if refusal is not None:
+            return refusal
+        status, media_type, data = await proxy.forward(request.url.path, await request.body())
+        return Response(data, status, media_type=media_type)
 
     @app.get("/health")
     async def health() -> Response:

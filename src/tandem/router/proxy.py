@@ -337,6 +337,28 @@ class Proxy:
             raise NoWorker(f"no {pool_name} worker is available")
         raise NoWorker(f"no {pool_name} worker could take the request: " + "; ".join(failures))
 
+    async def forward(self, path: str, payload: bytes) -> tuple[int, str, bytes]:
+        """A request any worker answers alike (`/tokenize`, `/detokenize`): sent to the
+        available workers in turn until one takes it; its status, content type and body."""
+        failures = []
+        headers = {"content-type": "application/json"}
+        for worker in self.pool.available(("both", "decode", "prefill")):
+            try:
+                async with self.session.post(
+                    worker.url + path, data=payload, headers=headers, timeout=self._read_timeout
+                ) as response:
+                    data = await response.read()
+                    if response.status not in REFUSAL_STATUSES:
+                        media_type = response.headers.get("content-type", "application/json")
+                        return response.status, media_type, data
+                    failures.append(f"{worker.url} answered {response.status}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                failures.append(f"{worker.url} failed ({exc.__class__.__name__})")
+        message = "no worker could take the request" + (
+            ": " + "; ".join(failures) if failures else ""
+        )
+        return 503, "application/json", error_body(message, "server_error", "no_worker")
+
     @staticmethod
     async def _read_leg(leg: Leg) -> bytes:
         """The whole body of a leg; the leg is closed after."""

@@ -26,9 +26,12 @@ from tandem.server.engine_client import AsyncEngineClient, QueueFullError
 from tandem.server.metrics import WorkerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     KVReleaseRequest,
     SamplingFields,
+    TokenizeRequest,
     error_body,
 )
 
@@ -125,14 +128,52 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         await client.release_kv(body.remote_request_id)
         return {"released": body.remote_request_id}
 
-    def check_common(body: SamplingFields) -> None:
-        if body.model is not None and body.model != settings.served_model_name:
+    def check_model(model: str | None) -> None:
+        if model is not None and model != settings.served_model_name:
             raise ClientError(
-                f"model {body.model!r} does not exist; this server serves "
+                f"model {model!r} does not exist; this server serves "
                 f"{settings.served_model_name!r}",
                 404,
                 "model",
             )
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ClientError("send either prompt or messages")
+        if body.messages is not None:
+            token_ids = tokenize_messages(body.messages, body.chat_template_kwargs)
+        else:
+            token_ids = tokenize(body.prompt)
+        token_strs = None
+        if body.return_token_strs:
+            token_strs = require_tokenizer("return_token_strs").convert_ids_to_tokens(token_ids)
+        return {
+            "count": len(token_ids),
+            "max_model_len": client.info.max_model_len,
+            "tokens": token_ids,
+            "token_strs": token_strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        vocab_size = client.inputs.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ClientError(
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens"
+            )
+        return {"prompt": require_tokenizer("tokens").decode(body.tokens)}
+
+    def require_tokenizer(param: str):
+        if client.tokenizer is None:
+            raise ClientError("this model has no tokenizer (a config without weights)", param=param)
+        return client.tokenizer
+
+    def check_common(body: SamplingFields) -> None:
+        check_model(body.model)
         params = body.kv_transfer_params or {}
         if params.get("do_remote_decode") or params.get("do_remote_prefill"):
             if settings.kv_transport is None:
@@ -171,6 +212,18 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         except ValueError as exc:
             raise ClientError(str(exc), param="prompt") from exc
 
+    def tokenize_messages(
+        messages: list[ChatMessage], template_kwargs: dict[str, Any] | None
+    ) -> list[int]:
+        try:
+            return client.inputs.tokenize_chat(
+                [m.as_template_input() for m in messages], **(template_kwargs or {})
+            )
+        except ValueError as exc:
+            raise ClientError(str(exc), param="messages") from exc
+        except Exception as exc:  # a template error is the request's fault
+            raise ClientError(f"the chat template failed on these messages: {exc}") from exc
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_common(body)
@@ -189,13 +242,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_common(body)
-        messages = [m.as_template_input() for m in body.messages]
-        try:
-            prompt_ids = client.inputs.tokenize_chat(messages, **(body.chat_template_kwargs or {}))
-        except ValueError as exc:
-            raise ClientError(str(exc), param="messages") from exc
-        except Exception as exc:  # a template error is the request's fault
-            raise ClientError(f"the chat template failed on these messages: {exc}") from exc
+        prompt_ids = tokenize_messages(body.messages, body.chat_template_kwargs)
         base_id = client.new_request_id()
         starts = [functools.partial(start, base_id, prompt_ids, body, body.num_logprobs())]
         writer = ChatWriter(client, settings, body, f"chatcmpl-{base_id}", [prompt_ids])

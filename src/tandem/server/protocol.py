@@ -157,6 +157,26 @@ class ChatCompletionRequest(SamplingFields):
         return self.top_logprobs or 0
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: the token ids the completions endpoint would compute for `prompt`,
+    or the chat endpoint for `messages`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class KVReleaseRequest(BaseModel):
     remote_request_id: str
 
