@@ -154,6 +154,30 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer_and_the_usage(worker, 
     assert post("/detokenize", {"tokens": []})["prompt"] == ""
 
 
+def test_chat_can_continue_the_assistants_last_message(worker, client, llm):
+    """continue_final_message renders the last (assistant) message open, without a new turn;
+    /tokenize renders messages the same way."""
+    opening = "The capital of France is"
+    messages = [*FRANCE, {"role": "assistant", "content": opening}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    assert text.endswith(opening)
+    expected = llm.tokenizer(text, add_special_tokens=False).input_ids
+    tokenized = httpx.post(worker.url + "/tokenize", json={"messages": messages, **options})
+    assert tokenized.json()["tokens"] == expected
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=6, extra_body=options
+    )
+    assert answer.usage.prompt_tokens == len(expected)
+    (reference,) = offline(llm, expected, temperature=0, max_tokens=6)
+    assert answer.choices[0].message.content == reference.text
+    assert "Paris" in reference.text
+
+    both = {"add_generation_prompt": True, "continue_final_message": True}
+    response = httpx.post(worker.url + "/v1/chat/completions", json={"messages": messages, **both})
+    assert response.status_code == 400 and "continue_final_message" in response.text
+
+
 @pytest.mark.parametrize(
     "path, body, status, param",
     [

@@ -38,12 +38,14 @@ class InputProcessor:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send the prompt as a list of token ids")
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's tokens (with the tokenizer's BOS and the like unless told not to), or
+        token ids checked against the vocabulary."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; send at least one token")
             self._require_tokenizer()
-            return list(self.tokenizer(prompt).input_ids)
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty; send at least one token")
@@ -54,20 +56,33 @@ class InputProcessor:
             )
         return token_ids
 
-    def render_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
         self._require_tokenizer()
         if not messages:
             raise ValueError("messages is empty; send at least one message")
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
 
-    def tokenize_rendered_chat(self, text: str) -> list[int]:
-        """A rendered chat template's tokens (the template wrote its special tokens itself)."""
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+    def tokenize_rendered_chat(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """A rendered chat template's tokens (the template wrote its special tokens itself,
+        so none are added unless asked)."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def tokenize_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        return self.tokenize_rendered_chat(self.render_chat(messages, **template_kwargs))
+    def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_special_tokens: bool = False,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        return self.tokenize_rendered_chat(
+            self.render_chat(messages, **template_kwargs), add_special_tokens
+        )
 
     def make_requests(
         self,

@@ -143,9 +143,10 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ClientError("send either prompt or messages")
         if body.messages is not None:
-            token_ids = tokenize_messages(body.messages, body.chat_template_kwargs)
+            options = body.template_options()
+            token_ids = tokenize_messages(body.messages, options, bool(body.add_special_tokens))
         else:
-            token_ids = tokenize(body.prompt)
+            token_ids = tokenize(body.prompt, body.add_special_tokens is not False)
         token_strs = None
         if body.return_token_strs:
             token_strs = require_tokenizer("return_token_strs").convert_ids_to_tokens(token_ids)
@@ -206,18 +207,18 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         metrics.prompt_tokens.labels(settings.served_model_name).inc(len(prompt_ids))
         return PrimedStream(first, stream)
 
-    def tokenize(prompt: str | list[int]) -> list[int]:
+    def tokenize(prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         try:
-            return client.inputs.tokenize(prompt)
+            return client.inputs.tokenize(prompt, add_special_tokens)
         except ValueError as exc:
             raise ClientError(str(exc), param="prompt") from exc
 
     def tokenize_messages(
-        messages: list[ChatMessage], template_kwargs: dict[str, Any] | None
+        messages: list[ChatMessage], template_options: dict[str, Any], add_special_tokens: bool
     ) -> list[int]:
         try:
             return client.inputs.tokenize_chat(
-                [m.as_template_input() for m in messages], **(template_kwargs or {})
+                [m.as_template_input() for m in messages], add_special_tokens, **template_options
             )
         except ValueError as exc:
             raise ClientError(str(exc), param="messages") from exc
@@ -228,7 +229,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_common(body)
         prompts = body.prompts()
-        prompt_ids = [tokenize(p) for p in prompts]
+        prompt_ids = [tokenize(p, body.add_special_tokens) for p in prompts]
         if body.kv_transfer_params and len(prompts) != 1:
             raise ClientError("a PD request must hold exactly one prompt", param="prompt")
         base_id = client.new_request_id()
@@ -242,7 +243,8 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_common(body)
-        prompt_ids = tokenize_messages(body.messages, body.chat_template_kwargs)
+        options = body.template_options()
+        prompt_ids = tokenize_messages(body.messages, options, body.add_special_tokens)
         base_id = client.new_request_id()
         starts = [functools.partial(start, base_id, prompt_ids, body, body.num_logprobs())]
         writer = ChatWriter(client, settings, body, f"chatcmpl-{base_id}", [prompt_ids])

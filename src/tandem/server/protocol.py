@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.engine.sampling_params import SamplingParams
 
@@ -87,6 +87,7 @@ class CompletionRequest(SamplingFields):
     prompt: Prompt
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_special_tokens: bool = True  # the tokenizer's BOS and the like before a text prompt
     suffix: str | None = None
     best_of: int | None = None
 
@@ -138,11 +139,38 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """How messages become a prompt (vLLM's fields): the template's extra arguments, whether it
+    opens the assistant's turn or continues the last message, and whether the tokenizer adds
+    its special tokens (BOS) on top of the template's."""
+
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt=false (the assistant's last "
+                "message is continued, no new turn is opened)"
+            )
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """The chat template's keyword arguments."""
+        return {
+            **(self.chat_template_kwargs or {}),
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -157,16 +185,17 @@ class ChatCompletionRequest(SamplingFields):
         return self.top_logprobs or 0
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's `/tokenize`: the token ids the completions endpoint would compute for `prompt`,
-    or the chat endpoint for `messages`."""
+    or the chat endpoint for `messages` (add_special_tokens: default true for a prompt, false
+    for messages, as on those endpoints)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
 
