@@ -142,7 +142,9 @@ class BlockCopier:
             remote_stream = torch.cuda.current_stream(remote_device)
             if use_kernel and triton is not None:
                 # The ids go up ahead of the wait below, so the next upload never waits on it.
-                staging = self.id_staging.setdefault(remote_device, InputStaging(remote_device))
+                staging = self.id_staging.get(remote_device)
+                if staging is None:
+                    staging = self.id_staging[remote_device] = InputStaging(remote_device)
                 remote_ids, local_ids = staging.upload(
                     {torch.int32: (remote_block_ids, local_block_ids)}
                 )[torch.int32]
