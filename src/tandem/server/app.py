@@ -12,7 +12,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +49,8 @@ class ServerSettings:
     role: str = "both"
     kv_transport: str | None = None  # tcp | cuda-ipc; None: no KV transfer (a colocated worker)
     kv_host: str | None = None
-    # request field -> default for requests that leave it out (the model's generation config)
-    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # the model's generation config gives the defaults of sampling fields a request leaves out
+    use_generation_config: bool = True
 
 
 @dataclass
@@ -197,7 +197,8 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         """Validate, submit and return the request's delta stream, primed: admission errors
         surface here as ClientErrors, before any response byte is written."""
         try:
-            params = body.sampling_params(logprobs, settings.sampling_defaults)
+            defaults = client.sampling_defaults if settings.use_generation_config else {}
+            params = body.sampling_params(logprobs, defaults)
             stream = client.generate(request_id, prompt_ids, params, body.kv_transfer_params)
             first = await anext(stream)
         except QueueFullError as exc:

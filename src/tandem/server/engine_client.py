@@ -48,6 +48,7 @@ class AsyncEngineClient:
         self.info: EngineInfo | None = None
         self.stats: dict[str, Any] = {}
         self.tokenizer = None
+        self.sampling_defaults: dict[str, Any] = {}  # the model's generation config's
         self.inputs: InputProcessor | None = None
         self.outputs: OutputProcessor | None = None
         self._queues: dict[str, asyncio.Queue] = {}  # child request id -> deltas
@@ -77,8 +78,8 @@ class AsyncEngineClient:
         )
         self._process.start()
         # The tokenizer loads here while the core process loads the model: both take seconds.
-        self.info, self.tokenizer = await asyncio.gather(
-            self._wait_ready(), asyncio.to_thread(self._load_tokenizer)
+        self.info, (self.tokenizer, self.sampling_defaults) = await asyncio.gather(
+            self._wait_ready(), asyncio.to_thread(self._load_front_end)
         )
         self.inputs = InputProcessor(
             self.tokenizer, self.info.max_model_len, self.info.vocab_size, self.info.eos_token_ids
@@ -87,13 +88,18 @@ class AsyncEngineClient:
         self._output_task = asyncio.create_task(self._output_loop())
         self.healthy = True
 
-    def _load_tokenizer(self):
-        from tandem.models.loader import load_tokenizer, resolve_model
+    def _load_front_end(self) -> tuple[Any, dict[str, Any]]:
+        """The model's tokenizer and its generation config's sampling defaults, from one look-up
+        of the model (for a GGUF file that reads its metadata: seconds)."""
+        from tandem.models.loader import load_tokenizer, resolve_model, sampling_defaults
 
         try:
-            return load_tokenizer(resolve_model(self.config.model))
+            source = resolve_model(self.config.model)
+            return load_tokenizer(source), sampling_defaults(source)
         except Exception as exc:
-            raise EngineStartError(f"the tokenizer could not load: {exc}") from exc
+            raise EngineStartError(
+                f"the tokenizer or the generation config could not load: {exc}"
+            ) from exc
 
     async def _wait_ready(self) -> EngineInfo:
         deadline = asyncio.get_running_loop().time() + self.start_timeout

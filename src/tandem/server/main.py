@@ -12,7 +12,6 @@ import gc
 import logging
 import signal
 import sys
-from typing import Any
 
 import uvicorn
 
@@ -41,23 +40,6 @@ def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
     )
 
 
-def model_sampling_defaults(config: EngineConfig) -> dict[str, Any]:
-    from tandem.models.loader import ModelNotFoundError, resolve_model, sampling_defaults
-
-    try:
-        source = resolve_model(config.model)
-    except ModelNotFoundError:
-        return {}  # the engine's start reports it, as for any model that cannot load
-    defaults = sampling_defaults(source)
-    if defaults:
-        logger.info(
-            "sampling defaults from the model's generation_config.json: %s "
-            "(requests override them; --generation-config none ignores them)",
-            defaults,
-        )
-    return defaults
-
-
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -69,9 +51,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         role=args.role,
         kv_transport=kv_config.transport if kv_config else None,
         kv_host=kv_config.host if kv_config else None,
-        sampling_defaults=model_sampling_defaults(config)
-        if args.generation_config == "auto"
-        else {},
+        use_generation_config=args.generation_config == "auto",
     )
     started = {"ok": False}
 
@@ -83,6 +63,12 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             logger.error("the engine could not start: %s", exc)
             raise
         started["ok"] = True
+        if settings.use_generation_config and client.sampling_defaults:
+            logger.info(
+                "sampling defaults from the model's generation_config.json: %s "
+                "(requests override them; --generation-config none ignores them)",
+                client.sampling_defaults,
+            )
         gc.collect()  # start-up's objects (the tokenizer's above all) stay: out of the GC's walk
         gc.freeze()
         heartbeat = None
