@@ -170,7 +170,8 @@ def test_streaming_never_sends_part_of_a_stop_string(tokenizer, prompt_ids, text
 
 def make_processor(tokenizer, prompt_ids, params: SamplingParams) -> OutputProcessor:
     processor = OutputProcessor(tokenizer)
-    processor.add("req", Request("req-0", list(prompt_ids), params), 0)
+    eos = frozenset({tokenizer.eos_token_id})
+    processor.add("req", Request("req-0", list(prompt_ids), params, eos_token_ids=eos), 0)
     return processor
 
 
@@ -202,3 +203,11 @@ def test_output_processor_drops_the_text_of_a_stopping_token(tokenizer, prompt_i
         (delta,) = deltas
         assert (delta.text, delta.token_ids, delta.finish_reason) == ("Bye", sent, "stop")
         assert stopped == []
+
+
+def test_output_processor_keeps_the_text_of_a_token_that_completes_a_grammar(tokenizer, prompt_ids):
+    """A stop on any other token (a structured output's grammar completed by it) keeps it."""
+    token_ids = encode(tokenizer, "Bye!")
+    processor = make_processor(tokenizer, prompt_ids, SamplingParams())
+    deltas, _ = processor.process([EngineCoreOutput("req-0", token_ids, finish_reason="stop")])
+    assert (deltas[0].text, deltas[0].finish_reason) == ("Bye!", "stop")

@@ -22,6 +22,7 @@ from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner, plan_kv_cache
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.structured_output import GrammarBackend
 from tandem.kv.base import KVConnector, NoKVConnector
 from tandem.models.loader import load_model, resolve_model
 
@@ -88,6 +89,7 @@ class EngineCore:
             if config.enforce_eager
             else min(config.piecewise_cuda_graph_max_tokens, config.max_num_batched_tokens),
         )
+        self.grammars = GrammarBackend(self.model_config.vocab_size)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model,
@@ -101,7 +103,14 @@ class EngineCore:
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset(self.model_config.eos_token_ids)
 
+    def set_tokenizer(self, tokenizer_json: str, eos_token_ids: Iterable[int]) -> None:
+        """The model's tokenizer (the tokenizers library's JSON) and the ids that end a
+        request, which structured outputs need; the front end, which loads it, gives it."""
+        self.grammars.set_tokenizer(tokenizer_json, list(eos_token_ids))
+
     def add_request(self, request: Request) -> None:
+        if (structured := request.sampling_params.structured_output) is not None:
+            request.grammar = self.grammars.matcher(structured, request.output_token_ids)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:

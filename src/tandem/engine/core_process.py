@@ -170,6 +170,8 @@ def handle_message(core, message: tuple, step_outputs: list) -> bool:
         core.connector.release(message[1])
     elif kind == "release_remote":
         core.connector.release_remote(message[1])
+    elif kind == "tokenizer":
+        core.set_tokenizer(*message[1:])
     return kind != "shutdown"
 
 

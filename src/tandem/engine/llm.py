@@ -16,6 +16,7 @@ from tandem.engine.core import EngineCore
 from tandem.engine.outputs import TokenLogprobs
 from tandem.engine.processor import InputProcessor, OutputProcessor
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import tokenizer_json
 from tandem.models.loader import load_tokenizer
 
 
@@ -51,6 +52,8 @@ class LLM:
             self.core.model_config.vocab_size,
             self.core.eos_token_ids,
         )
+        if (as_json := tokenizer_json(self.tokenizer)) is not None:
+            self.core.set_tokenizer(as_json, self.inputs.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import GrammarMatcher
 
 
 @dataclass
@@ -26,6 +27,7 @@ class ScheduledRequest:
     # The request's own lists (not copies), read by the sampler's penalties when it has any.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    grammar: GrammarMatcher | None = None  # its structured output's state, if it has one
 
 
 @dataclass

@@ -34,6 +34,10 @@ class InputProcessor:
             else set()
         )
 
+    @property
+    def has_fast_tokenizer(self) -> bool:
+        return getattr(self.tokenizer, "backend_tokenizer", None) is not None
+
     def _require_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send the prompt as a list of token ids")
@@ -113,6 +117,10 @@ class InputProcessor:
                     f"{field_name}: token id {bad[0]} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
+        if params.structured_output is not None and not self.has_fast_tokenizer:
+            raise ValueError(
+                "structured outputs need the model's tokenizer (a fast one); this model has none"
+            )
         requests = []
         for index in range(params.n):
             child_params = params
@@ -155,6 +163,7 @@ class SequenceState:
     index: int
     text: TextState
     wants_logprobs: bool
+    stop_ids: frozenset[int]  # EOS and stop token ids: a stop on one of them hides its text
     token_ids: list[int] = field(default_factory=list)
 
 
@@ -170,6 +179,7 @@ class OutputProcessor:
             index,
             TextState(self.tokenizer, request.prompt_token_ids, params),
             params.logprobs is not None,
+            frozenset(request.eos_token_ids) | frozenset(params.stop_token_ids),
         )
 
     def discard(self, child_id: str) -> None:
@@ -187,7 +197,7 @@ class OutputProcessor:
             for position, token_id in enumerate(output.new_token_ids):
                 state.token_ids.append(token_id)
                 is_last = position == len(output.new_token_ids) - 1
-                if is_last and finish_reason == "stop":
+                if is_last and finish_reason == "stop" and token_id in state.stop_ids:
                     continue  # EOS or a stop token id: its text is not part of the output
                 stop_string = state.text.add_token(token_id)
                 if stop_string is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +57,8 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hits at first scheduling (for metrics)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # The engine's state of the request's structured output (set where the engine takes it).
+    grammar: GrammarMatcher | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -105,6 +108,12 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None:
+            self.grammar.follow()
+            if self.grammar.error is not None:
+                return RequestStatus.FINISHED_ERROR
+            if self.grammar.is_complete:
                 return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH

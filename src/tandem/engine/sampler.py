@@ -1,6 +1,7 @@
 """Token sampling for one step's batch of logits.
 
-The logits first take each request's logit_bias and its penalties on the tokens it has seen
+The logits first lose the tokens a request's structured output does not allow next (set to
+-inf), then take each request's logit_bias and its penalties on the tokens it has seen
 (presence, frequency, repetition; see SamplingParams). Then greedy rows take the argmax. Other
 rows divide by the temperature, mask by top-k, top-p and min-p, and sample by an exponential
 race (argmax of probs / E with E ~ Exp(1)), which equals drawing from the categorical
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from tandem.engine.outputs import ScheduledRequest, TokenLogprobs
+from tandem.engine.structured_output import apply_grammar_masks
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -52,6 +54,8 @@ class Sampler:
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._suppress_early_stops(logits, requests)
+        if any(r.grammar is not None for r in requests):
+            logits = apply_grammar_masks(logits, [r.grammar for r in requests])
         params = [r.sampling_params for r in requests]
         if any(p.logit_bias for p in params):
             logits = self._apply_logit_bias(logits, requests)

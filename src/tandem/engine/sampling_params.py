@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from tandem.engine.structured_output import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -34,6 +36,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Holds the output to a JSON schema, regex, choice or grammar (structured outputs).
+    structured_output: StructuredOutput | None = None
     # Whether sampling needs the tokens the request has seen so far (set from the penalties).
     penalizes_history: bool = field(init=False, repr=False, compare=False)
 

@@ -196,6 +196,7 @@ class Scheduler:
             output_index=request.num_output_tokens,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            grammar=request.grammar,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -220,6 +221,7 @@ class Scheduler:
             self.held_for_remote.add(request.request_id)
         else:
             self.kv.free(request.request_id)
+        grammar_error = request.grammar.error if request.grammar is not None else None
         return EngineCoreOutput(
             request.request_id,
             [],
@@ -228,6 +230,9 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             kv_transfer_params=kv_transfer_params,
+            error=f"the output left its structured-output grammar: {grammar_error}"
+            if grammar_error
+            else None,
         )
 
     def _take_handed_off_token(

@@ -29,6 +29,7 @@ from tandem.engine.processor import (
 )
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import tokenizer_json
 from tandem.kv.base import is_pending_handoff
 
 
@@ -84,6 +85,8 @@ class AsyncEngineClient:
         self.inputs = InputProcessor(
             self.tokenizer, self.info.max_model_len, self.info.vocab_size, self.info.eos_token_ids
         )
+        if (as_json := await asyncio.to_thread(tokenizer_json, self.tokenizer)) is not None:
+            await self._input.send_pyobj(("tokenizer", as_json, self.inputs.eos_token_ids))
         self.outputs = OutputProcessor(self.tokenizer)
         self._output_task = asyncio.create_task(self._output_loop())
         self.healthy = True

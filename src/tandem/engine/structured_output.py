@@ -1,0 +1,186 @@
+"""Structured outputs: a request's output held to a JSON schema, a regex, a choice or a grammar.
+
+`StructuredOutput` (part of SamplingParams) is what a request asks for; made in the front end, it
+compiles the constraint to an llguidance grammar and checks it there, so a bad schema or regex is
+the client's error. In the engine, `GrammarBackend` gives each such request a `GrammarMatcher`,
+which follows the tokens the request outputs (a PD decode worker's matcher starts by following
+the first token its prefill worker sampled) and, before each of its sampling steps, the set of
+tokens the grammar allows next; `apply_grammar_masks` turns the batch's sets into -inf logits. A
+request ends ("stop") as soon as its grammar is complete.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one constraint: `json` (a JSON schema, as an object or its text), `regex`,
+    `choice` (the output is one of these strings), `grammar` (Lark or GBNF), or `json_object`
+    (any JSON object). Raises ValueError naming what to change when it is not usable."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    # JSON without whitespace beyond ", " and ": " (vLLM's option of that name): a small model
+    # let free may write whitespace until max_tokens.
+    disable_any_whitespace: bool = False
+    # The llguidance grammar it compiles to (what the engine's matcher runs).
+    compiled: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, regex, choice, grammar or "
+                f"json_object; got {', '.join(given) or 'none'}"
+            )
+        object.__setattr__(self, "compiled", self._compile(given[0]))
+
+    def _compile(self, kind: str) -> str:
+        import llguidance
+
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("the JSON schema must be a JSON object")
+            compiled = self._compile_json(schema)
+        elif kind == "json_object":
+            compiled = self._compile_json({"type": "object"})
+        elif kind == "choice":
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("choice must be a list of non-empty strings")
+            compiled = llguidance.grammar_from("choice", json.dumps(self.choice))
+        else:
+            compiled = llguidance.grammar_from(kind, getattr(self, kind))
+        error = llguidance.LLMatcher.validate_grammar(compiled)
+        if error:
+            raise ValueError(f"the {kind} for structured outputs is not valid: {error.strip()}")
+        return compiled
+
+    def _compile_json(self, schema: dict[str, Any] | bool) -> str:
+        import llguidance
+
+        overrides = (
+            {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+            if self.disable_any_whitespace
+            else None
+        )
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
+
+
+class GrammarMatcher:
+    """One request's grammar state: which tokens may come next, given the outputs so far."""
+
+    def __init__(self, matcher: Any, output_token_ids: list[int]) -> None:
+        self.matcher = matcher  # llguidance's LLMatcher
+        self._outputs = output_token_ids  # the request's own list, followed as it grows
+        self._num_followed = 0
+
+    def follow(self) -> None:
+        """Advance over the outputs added since the last call."""
+        new = self._outputs[self._num_followed :]
+        if new:
+            self.matcher.consume_tokens(new)
+            self._num_followed = len(self._outputs)
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar allows nothing more (an output that reached this ends there)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        """Why the outputs left the grammar (or it failed to build), or None."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+class GrammarBackend:
+    """Builds the engine's matchers from the model's tokenizer (given by the front end, which
+    loads it anyway, as the tokenizers library's JSON)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer_json: str | None = None
+        self.eos_token_ids: list[int] = []
+
+    def set_tokenizer(self, tokenizer_json: str, eos_token_ids: Collection[int]) -> None:
+        """The tokenizer, and the ids that end a request (a grammar allows them once complete)."""
+        self.tokenizer_json = tokenizer_json
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.__dict__.pop("_tokenizer", None)
+
+    @functools.cached_property
+    def _tokenizer(self) -> Any:
+        import llguidance
+
+        ids = self.eos_token_ids
+        eos = ids[0] if len(ids) == 1 else ids or None  # one id as an int: any version takes it
+        return llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
+
+    def matcher(self, spec: StructuredOutput, output_token_ids: list[int]) -> GrammarMatcher:
+        if self.tokenizer_json is None:
+            raise ValueError("structured outputs need the model's tokenizer (a fast tokenizer)")
+        import llguidance
+
+        return GrammarMatcher(
+            llguidance.LLMatcher(self._tokenizer, spec.compiled, log_level=0), output_token_ids
+        )
+
+
+def tokenizer_json(tokenizer: Any) -> str | None:
+    """A transformers tokenizer as the tokenizers library's JSON, or None for one without a
+    fast (tokenizers) backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend.to_str() if backend is not None else None
+
+
+@functools.cache
+def _mask_executor() -> Any:
+    """llguidance's thread pool, which computes a batch's masks in parallel."""
+    import llguidance
+
+    return llguidance.LLExecutor()
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor, grammars: Sequence[GrammarMatcher | None]
+) -> torch.Tensor:
+    """The logits [rows, vocab] with -inf for the tokens each row's grammar does not allow next
+    (rows without a grammar as they are). The masks are computed on the host while the GPU may
+    still be running the step's forward pass."""
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+    vocab = logits.shape[-1]
+    words = (vocab + 31) // 32  # token i: bit i % 32 of int32 word i // 32
+    masks = torch.empty((len(rows), words), dtype=torch.int32)
+    for row in rows:
+        grammars[row].follow()
+    _mask_executor().unsafe_compute_mask_ptr(
+        [(grammars[row].matcher, index) for index, row in enumerate(rows)],
+        masks.data_ptr(),
+        words * masks.element_size(),
+        len(rows),
+    )
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (masks.to(logits.device)[:, :, None] >> shifts) & 1
+    allowed = bits.view(len(rows), words * 32)[:, :vocab].bool()
+    selected = torch.tensor(rows, device=logits.device)
+    masked = logits.clone()
+    masked[selected] = logits[selected].masked_fill(~allowed, float("-inf"))
+    return masked

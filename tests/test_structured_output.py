@@ -1,0 +1,222 @@
+"""Structured outputs on a tiny random checkpoint with a byte-level BPE tokenizer of its 512
+tokens: the grammar's token masks against masks worked out by hand from the tokens' text, the
+offline engine's constrained output against a loop over transformers' own model that masks by
+hand, and outputs that parse as their JSON schema or match their regex."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from tandem import LLM, SamplingParams
+from tandem.engine.structured_output import (
+    GrammarBackend,
+    StructuredOutput,
+    apply_grammar_masks,
+    tokenizer_json,
+)
+
+SHAPE = "llama-gqa"
+VOCAB = 512
+EOS = 0  # "<|end|>", the tokenizer's first (special) token
+CORPUS = [
+    '{"ok": true, "level": "high", "count": 7}',
+    '{"ok": false, "level": "low", "count": 0}',
+    "the quick brown fox jumps over the lazy dog 0123456789",
+    "abba baab aabb bbaa ab ba aa bb cab cabbage abc",
+    "Paris London Berlin Madrid Rome Lisbon",
+    " ".join(a + b + c for a in "bcdfgklmnprstvwz" for b in "aeiou" for c in "nrstlm"),
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(CORPUS, trainer)
+    assert core.get_vocab_size() == VOCAB
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoints, tokenizer, tmp_path_factory):
+    """The tiny checkpoint with the tokenizer beside it."""
+    directory = tmp_path_factory.mktemp("with-tokenizer") / SHAPE
+    shutil.copytree(tiny_checkpoints[SHAPE], directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    return LLM(str(checkpoint), device="cpu", num_kv_blocks=128, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer) -> GrammarBackend:
+    backend = GrammarBackend(VOCAB)
+    backend.set_tokenizer(tokenizer_json(tokenizer), [EOS])
+    return backend
+
+
+def token_texts(tokenizer) -> list[str]:
+    return [tokenizer.decode([token_id]) for token_id in range(VOCAB)]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+def test_masks_allow_exactly_the_tokens_the_regex_can_take(tokenizer, grammars, device):
+    texts = token_texts(tokenizer)
+    can_start = {t for t, text in enumerate(texts) if t != EOS and re.fullmatch("[ab]+", text)}
+    assert len(can_start) > 2  # "a", "b" and merges of them
+    outputs: list[int] = []
+    grammar = grammars.matcher(StructuredOutput(regex="[ab]+"), outputs)
+    logits = torch.randn(3, VOCAB, device=device)
+    masked = apply_grammar_masks(logits, [None, grammar, None])
+    allowed = set(torch.isfinite(masked[1]).nonzero().flatten().tolist())
+    assert allowed == can_start
+    assert torch.equal(masked[1][list(allowed)], logits[1][list(allowed)])
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])  # rows without a grammar untouched
+
+    outputs.append(tokenizer.convert_tokens_to_ids("a"))  # the grammar follows the outputs
+    masked = apply_grammar_masks(logits, [grammar])
+    assert set(torch.isfinite(masked[0]).nonzero().flatten().tolist()) == can_start | {EOS}
+    assert not grammar.is_complete and grammar.error is None
+
+
+def allowed_by_hand(texts: list[str], written: str, choices: list[str]) -> set[int]:
+    """The tokens that keep the text a prefix of a choice, written out. (Once a single choice is
+    left, llguidance forces its rest: only that rest's canonical tokens are allowed.)"""
+    return {
+        t
+        for t, text in enumerate(texts)
+        if t != EOS and text and any(c.startswith(written + text) for c in choices)
+    }
+
+
+def test_masks_of_a_choice_are_the_prefixes_of_its_strings(tokenizer, grammars):
+    choices = ["cab", "Rome", "Lisbon"]
+    texts = token_texts(tokenizer)
+    for target in choices:
+        outputs: list[int] = []
+        grammar = grammars.matcher(StructuredOutput(choice=choices), outputs)
+        written = ""
+        while written != target:
+            row = apply_grammar_masks(torch.zeros(1, VOCAB), [grammar])[0]
+            allowed = set(torch.isfinite(row).nonzero().flatten().tolist())
+            by_hand = allowed_by_hand(texts, written, choices)
+            left = [c for c in choices if c.startswith(written)]
+            if len(left) > 1:
+                assert allowed == by_hand, written
+                step = min(t for t in by_hand if target.startswith(written + texts[t]))
+            else:  # the rest is forced: its canonical tokens
+                step = tokenizer.encode(target[len(written) :])[0]
+                assert step in allowed and allowed <= by_hand, written
+            outputs.append(step)
+            written += texts[step]
+        grammar.follow()
+        assert grammar.is_complete
+
+
+def reference_choice(checkpoint, tokenizer, prompt: list[int], choices: list[str]) -> list[int]:
+    """Greedy decoding with transformers' model, masked by hand to the tokens that keep the
+    text a prefix of one of the choices until one choice is left, then that choice's rest in
+    its canonical tokens."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    texts = token_texts(tokenizer)
+    tokens, written = [], ""
+    while len(left := [c for c in choices if c.startswith(written)]) > 1:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1]
+        best = max(allowed_by_hand(texts, written, choices), key=lambda t: float(logits[t]))
+        tokens.append(best)
+        written += texts[best]
+    return tokens + tokenizer.encode(left[0][len(written) :])
+
+
+def test_greedy_choice_matches_a_hand_masked_transformers_loop(llm, checkpoint, tokenizer):
+    choices = ["cabbage", "London", "quick fox"]
+    for seed in range(3):
+        prompt = torch.randint(1, VOCAB, (12,), generator=torch.Generator().manual_seed(seed))
+        prompt = prompt.tolist()
+        params = SamplingParams(
+            temperature=0, max_tokens=30, structured_output=StructuredOutput(choice=choices)
+        )
+        (output,) = llm.generate([prompt], params)
+        completion = output.outputs[0]
+        assert completion.token_ids == reference_choice(checkpoint, tokenizer, prompt, choices)
+        assert completion.text in choices and completion.finish_reason == "stop"
+    assert llm.core.kv_manager.num_used_blocks == 0
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "level": {"enum": ["low", "high"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["ok", "level", "count"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_follow_their_schema_or_regex(llm, temperature):
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [300, 200, 100, 50, 25]]
+    json_params = SamplingParams(
+        temperature=temperature,
+        seed=1,
+        max_tokens=60,
+        structured_output=StructuredOutput(SCHEMA, disable_any_whitespace=True),
+    )
+    regex_params = json_params.with_updates(
+        structured_output=StructuredOutput(regex=r"[0-9]{3}-(ab|ba){1,3}\.")
+    )
+    plain = SamplingParams(temperature=temperature, seed=1, max_tokens=8)
+    outputs = llm.generate(prompts * 3, [json_params] * 3 + [regex_params] * 3 + [plain] * 3)
+    for output in outputs[:3]:
+        answer = json.loads(output.outputs[0].text)
+        assert set(answer) == {"ok", "level", "count"} and isinstance(answer["ok"], bool)
+        assert answer["level"] in ("low", "high") and 0 <= answer["count"] <= 9
+        assert output.outputs[0].finish_reason == "stop"
+    for output in outputs[3:6]:
+        assert re.fullmatch(r"[0-9]{3}-(ab|ba){1,3}\.", output.outputs[0].text)
+        assert output.outputs[0].finish_reason == "stop"
+    # a request without a grammar beside them samples as it does alone
+    alone = llm.generate(prompts, plain)
+    assert [o.outputs[0].token_ids for o in outputs[6:]] == [o.outputs[0].token_ids for o in alone]
+    assert llm.core.kv_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "exactly one of"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+        ({"regex": "("}, "the regex for structured outputs is not valid"),
+        ({"json": {"type": "nonsense"}}, "the json for structured outputs is not valid"),
+        ({"json": "{not json"}, "the JSON schema is not valid JSON"),
+        ({"choice": []}, "choice must be a list of non-empty strings"),
+        ({"grammar": "start: ??"}, "the grammar for structured outputs is not valid"),
+    ],
+)
+def test_unusable_constraints_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutput(**fields)
