@@ -9,6 +9,8 @@ and seeded sampling, collected and streamed, on /v1/completions (token-id and te
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import time
@@ -90,6 +92,36 @@ def test_chat_matches_both_worker(client, trio, sampling: str, limit: str, strea
     assert len(pd.token_ids) == pd.completion_tokens
     if sampling == "greedy":
         assert pd.text == "The capital of France is Paris." and pd.finish_reason == "stop"
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_outputs_match_both_worker(client, trio, stream: bool):
+    """The decode worker's grammar starts from the first token the prefill worker sampled
+    under the same grammar, so PD answers as `both` does, within the constraint."""
+    format_ = {"type": "json_schema", "json_schema": {"name": "place", "schema": CITY}}
+    chat = {"messages": CHAT, "max_tokens": 32, "temperature": 0, "response_format": format_}
+    pd, both = run_pd_and_direct(client, trio, "/v1/chat/completions", dict(chat, stream=stream))
+    assert pd == both and set(json.loads(pd.text)) == {"city"} and pd.finish_reason == "stop"
+    regex = r"[0-9]{2}-[a-z]{3,6}\."
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 16,
+        "temperature": 0.9,
+        "seed": 5,
+        "stream": stream,
+        "structured_outputs": {"regex": regex},
+    }
+    pd, both = run_pd_and_direct(client, trio, "/v1/completions", body)
+    assert pd == both and re.fullmatch(regex, pd.text) and pd.finish_reason == "stop"
+    assert_nothing_held(trio["prefill"], trio["decode"])
 
 
 def test_text_prompt_matches_both_worker(client, trio):

@@ -117,6 +117,33 @@ def test_openai_client_through_serve_matches_colocated(cluster):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
 
 
+def test_structured_output_through_serve_matches_colocated(cluster):
+    """Streamed through the router, a request is handed off: the decode worker follows the
+    prefill worker's first token with its own grammar."""
+    pd = openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused")
+    both = openai.OpenAI(base_url=cluster["reference"].url + "/v1", api_key="unused")
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 16}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    chat = dict(
+        model=DEFAULT_MODEL,
+        messages=CHAT,
+        temperature=0,
+        max_tokens=32,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    expected = both.chat.completions.create(**chat).choices[0].message.content
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in pd.chat.completions.create(**chat, stream=True)
+        if chunk.choices
+    )
+    assert streamed == expected and isinstance(json.loads(expected), dict)
+
+
 def test_tokenize_and_detokenize_through_the_router_match_a_worker(cluster):
     requests = [
         ("/tokenize", {"prompt": "Once upon a time", "return_token_strs": True}),

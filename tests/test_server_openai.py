@@ -11,6 +11,8 @@ can send (a 4xx with an OpenAI-style error object, and the server keeps serving)
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,12 +22,25 @@ import pytest
 import torch
 
 from tandem import DEFAULT_MODEL, LLM, SamplingParams
+from tandem.engine.structured_output import StructuredOutput
 from worker_fixtures import read_metrics, running_worker, wait_for_metric
 
 MODEL = DEFAULT_MODEL
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 YES_OR_NO = [{"role": "user", "content": "Reply with one word: yes or no?"}]  # greedy: "Yes."
 FRUITS = "Here is a list of fruits: apples, bananas,"
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
+    },
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": CITY}}
+FRUIT_CHOICES = ["apples", "pears", "lemons"]
+ANSWER_REGEX = r"(yes|no)\. [A-Z][a-z ]{0,20}\."
 BLOCKS_USED = "tandem_kv_cache_blocks_used"
 
 
@@ -328,6 +343,26 @@ async def test_request_fields_match_the_offline_engine(async_client, llm):
             {"temperature": 0, "logit_bias": {str(tokens[0]): -100}, "max_tokens": 4},
             {"temperature": 0, "logit_bias": {tokens[0]: -100}, "max_tokens": 4},
         ),
+        "response_format": (
+            FRANCE,
+            {"temperature": 0, "max_tokens": 48, "response_format": CITY_FORMAT},
+            {"temperature": 0, "max_tokens": 48, "structured_output": StructuredOutput(CITY)},
+        ),
+        "structured_outputs choice": (
+            FRUITS,
+            {"temperature": 0, "structured_outputs": {"choice": FRUIT_CHOICES}},
+            {"temperature": 0, "structured_output": StructuredOutput(choice=FRUIT_CHOICES)},
+        ),
+        "guided_regex": (
+            YES_OR_NO,
+            {"temperature": 1.0, "seed": 3, "max_tokens": 48, "guided_regex": ANSWER_REGEX},
+            {
+                "temperature": 1.0,
+                "seed": 3,
+                "max_tokens": 48,
+                "structured_output": StructuredOutput(regex=ANSWER_REGEX),
+            },
+        ),
     }
     openai_fields = {
         "temperature", "top_p", "seed", "stop", "max_tokens", "n", "frequency_penalty",
@@ -378,6 +413,10 @@ async def test_request_fields_match_the_offline_engine(async_client, llm):
     assert len(only_choice("max_completion_tokens")[2]["token_ids"]) == 5
     assert len(only_choice("min_tokens")[2]["token_ids"]) >= 6
     assert only_choice("ignore_eos")[:2] == ("length", None)
+    city = json.loads(responses["response_format"].choices[0].message.content)
+    assert set(city) == {"city", "country"} and only_choice("response_format")[0] == "stop"
+    assert responses["structured_outputs choice"].choices[0].text in FRUIT_CHOICES
+    assert re.fullmatch(ANSWER_REGEX, responses["guided_regex"].choices[0].message.content)
     assert len({choice.text for choice in responses["n"].choices}) == 2
     assert only_choice("penalties")[2]["token_ids"] != tokens
     assert only_choice("logit_bias")[2]["token_ids"][0] != tokens[0]
@@ -576,6 +615,36 @@ BAD_REQUESTS = [
     ("unknown-role", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
     ("content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, None),
     ("negative-max-tokens", COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, None),
+    (
+        "json-schema-invalid",
+        CHAT,
+        {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+        400,
+        None,
+    ),
+    (
+        "json-schema-missing",
+        CHAT,
+        {"messages": HI, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format",
+    ),
+    (
+        "json-schema-unknown-type",
+        COMPLETIONS,
+        {"prompt": "hi", "structured_outputs": {"json": {"type": "nonsense"}}},
+        400,
+        None,
+    ),
+    ("regex-invalid", COMPLETIONS, {"prompt": "hi", "guided_regex": "("}, 400, None),
+    (
+        "structured-output-twice",
+        CHAT,
+        {"messages": HI, "response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+        400,
+        None,
+    ),
+    ("structured-output-empty", COMPLETIONS, {"prompt": "hi", "structured_outputs": {}}, 400, None),
     ("zero-max-tokens", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, None),
     ("negative-max-tokens-chat", CHAT, {"messages": HI, "max_tokens": -3}, 400, None),
     (

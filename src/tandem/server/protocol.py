@@ -12,10 +12,46 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import StructuredOutput
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.json_schema is None
+        ):
+            raise ValueError('response_format of type "json_schema" needs json_schema.schema')
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one constraint on the output."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -46,6 +82,51 @@ class SamplingFields(BaseModel):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False  # choices (and stream chunks) carry their token ids
+    # Structured outputs, asked for in one of three ways: OpenAI's response_format, vLLM's
+    # structured_outputs, or vLLM's older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output constraint the request asks for, checked (ValueError naming the field)."""
+        asked: dict[str, dict[str, Any]] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = self.response_format.json_schema
+            asked["response_format"] = (
+                {"json": schema.json_schema} if schema is not None else {"json_object": True}
+            )
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_dump(exclude_none=True)
+            asked["structured_outputs"] = {
+                ("json" if name == "json_schema" else name): value for name, value in given.items()
+            }
+        guided = {
+            kind: value
+            for kind, value in (
+                ("json", self.guided_json),
+                ("regex", self.guided_regex),
+                ("choice", self.guided_choice),
+                ("grammar", self.guided_grammar),
+            )
+            if value is not None
+        }
+        if guided:
+            asked["guided_*"] = guided
+        if len(asked) > 1:
+            raise ValueError(
+                f"structured output is asked for twice ({' and '.join(asked)}); use one of them"
+            )
+        if not asked:
+            return None
+        ((field_name, constraint),) = asked.items()
+        try:
+            return StructuredOutput(**constraint)
+        except ValueError as exc:
+            raise ValueError(f"{field_name}: {exc}") from None
 
     def sampling_params(self, logprobs: int | None, defaults: Mapping[str, Any]) -> SamplingParams:
         """The engine's settings for this request; `defaults` (request field -> value, from the
@@ -69,6 +150,7 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=chosen("repetition_penalty", 1.0),
             logit_bias=dict(self.logit_bias or {}),
+            structured_output=self.structured_output(),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
