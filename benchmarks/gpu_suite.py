@@ -8,6 +8,8 @@ Sections (each prints its table; all results go into one JSON file):
              (weight + KV bytes) / copy bandwidth; an 8192-token prefill against the matrix rate
   offline    (2) Qwen3-0.6B shape, 256 sequences, input and output uniform in [100, 1024]:
              tokens/s and the decode steps' roofline fraction
+  structured (2) with every sequence held to a JSON schema, against the same batch without
+             (only with --tokenizer; not in the default sections)
   transfer   (4) a 10k-token Qwen3-0.6B KV over CUDA IPC (GPU0 -> GPU1), against the copy rate
   latency    (1) input 128 / 1024 / 8192, output 128, one request at a time: `both` on GPU 0
              against 1 prefill (GPU 0) + 1 decode (GPU 1) behind tandem's router, with the
@@ -39,6 +41,7 @@ from tandem.engine.config import BUSY_POLL_CUDA_S, EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import StructuredOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,8 +162,8 @@ def roofline(limits: dict) -> dict:
     return result
 
 
-def offline(limits: dict) -> dict:
-    core = EngineCore(
+def offline_core(**settings) -> EngineCore:
+    return EngineCore(
         EngineConfig(
             model="qwen3-0.6b",
             load_format="dummy",
@@ -169,22 +172,43 @@ def offline(limits: dict) -> dict:
             max_num_batched_tokens=16384,
             max_model_len=4096,
             gpu_memory_utilization=0.85,
+            **settings,
         )
     )
-    config = core.model_config
+
+
+def offline_workload(vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's: 256 prompts of random token ids, input and output lengths in [100, 1024]."""
     generator = torch.Generator().manual_seed(0)
     num_seqs = 256
     input_lens = torch.randint(100, 1025, (num_seqs,), generator=generator).tolist()
     output_lens = torch.randint(100, 1025, (num_seqs,), generator=generator).tolist()
+    prompts = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in input_lens]
+    return prompts, output_lens
+
+
+def run_offline(
+    core: EngineCore,
+    limits: dict,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    structured_output: StructuredOutput | None = None,
+    label: str = "seq",
+) -> dict:
+    """Runs the batch to the end once (request ids `{label}-{index}`); tokens/s counts the
+    tokens actually produced."""
     warm = Request("warm", [1] * 64, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     core.add_request(warm)
     run_steps_until_done(core)
-    for index, (n_in, n_out) in enumerate(zip(input_lens, output_lens, strict=True)):
-        ids = torch.randint(0, config.vocab_size, (n_in,), generator=generator).tolist()
-        params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
-        core.add_request(Request(str(index), ids, params, max_total_tokens=core.max_model_len))
+    for index, (ids, n_out) in enumerate(zip(prompts, output_lens, strict=True)):
+        params = SamplingParams(
+            temperature=0, max_tokens=n_out, ignore_eos=True, structured_output=structured_output
+        )
+        request = Request(f"{label}-{index}", ids, params, max_total_tokens=core.max_model_len)
+        core.add_request(request)
     weights = weight_bytes(core, decode=True)
     fractions = []
+    produced: dict[str, int] = {}
     start = time.perf_counter()
     while core.has_work():
         scheduled = core.scheduler.schedule()
@@ -192,23 +216,60 @@ def offline(limits: dict) -> dict:
         runner_output = core.runner.execute(scheduled)
         step_s = time.perf_counter() - step_start
         core.scheduler.update_from_output(scheduled, runner_output)
+        for request_id in runner_output.sampled_token_ids:
+            produced[request_id] = produced.get(request_id, 0) + 1
         items = scheduled.requests
         if items and all(len(item.token_ids) == 1 for item in items):
             context = sum(item.start_position + 1 for item in items)
             ideal = (weights + context * core.kv_spec.bytes_per_token) / (limits["copy_GBps"] * 1e9)
             fractions.append(ideal / step_s)
     elapsed = time.perf_counter() - start
-    result = {
-        "num_seqs": num_seqs,
+    num_output = sum(produced.values())
+    return {
+        "num_seqs": len(prompts),
         "elapsed_s": elapsed,
-        "output_tokens_per_s": sum(output_lens) / elapsed,
-        "total_tokens_per_s": (sum(output_lens) + sum(input_lens)) / elapsed,
+        "output_tokens": num_output,
+        "output_tokens_per_s": num_output / elapsed,
+        "total_tokens_per_s": (num_output + sum(len(p) for p in prompts)) / elapsed,
         "decode_steps": len(fractions),
         "decode_roofline_fraction_median": statistics.median(fractions) if fractions else None,
         "num_preemptions": core.scheduler.num_preemptions,
+        "output_lens": [produced[f"{label}-{i}"] for i in range(len(prompts))],
     }
+
+
+def offline(limits: dict) -> dict:
+    core = offline_core()
+    prompts, output_lens = offline_workload(core.model_config.vocab_size)
+    result = run_offline(core, limits, prompts, output_lens)
+    del result["output_lens"]
     core.shutdown()
     return result
+
+
+# Any JSON object: a random model keeps writing inside it, so every step of every sequence
+# computes a mask.
+STRUCTURED_SCHEMA = {"type": "object"}
+
+
+def structured(limits: dict, tokenizer_path: Path) -> dict:
+    """Workload 2 with every sequence held to a JSON schema, then the same batch with the
+    output lengths the grammar allowed and no grammar: the cost of the masks. The tokenizer
+    (a tokenizer.json) gives the grammar its tokens; the model's ids past it are masked."""
+    core = offline_core(enable_prefix_caching=False)  # the second pass reuses the prompts
+    core.set_tokenizer(tokenizer_path.read_text(), core.model_config.eos_token_ids[:1])
+    prompts, output_lens = offline_workload(core.model_config.vocab_size)
+    grammar = StructuredOutput(json=STRUCTURED_SCHEMA)
+    held = run_offline(core, limits, prompts, output_lens, grammar, label="grammar")
+    free = run_offline(core, limits, prompts, held["output_lens"], label="plain")
+    core.shutdown()
+    return {
+        "grammar_output_tokens": held["output_tokens"],
+        "grammar_output_tokens_per_s": held["output_tokens_per_s"],
+        "plain_output_tokens": free["output_tokens"],
+        "plain_output_tokens_per_s": free["output_tokens_per_s"],
+        "grammar_over_plain": held["output_tokens_per_s"] / free["output_tokens_per_s"],
+    }
 
 
 TRANSFER_PRODUCER = """
@@ -596,6 +657,9 @@ def main() -> None:
     parser.add_argument("--transfer-child", choices=("kernel", "gather"), help=argparse.SUPPRESS)
     parser.add_argument("--sections", default="ceilings,roofline,offline,transfer,latency")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    parser.add_argument(
+        "--tokenizer", type=Path, help="a tokenizer.json for the structured section"
+    )
     args = parser.parse_args()
     if args.transfer_child:
         transfer_child(args.transfer_child)
@@ -620,6 +684,13 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
             args.out.write_text(json.dumps(results, indent=2))
+    if "structured" in sections and args.tokenizer is not None:
+        try:
+            results["structured"] = structured(limits, args.tokenizer)
+        except Exception as exc:
+            results["structured"] = {"error": repr(exc)}
+        print_table("structured", results["structured"])
+        args.out.write_text(json.dumps(results, indent=2))
     if "latency" in sections and two_gpus:
         try:
             args.log_dir.mkdir(parents=True, exist_ok=True)
