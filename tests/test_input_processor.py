@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from tandem.engine.processor import InputProcessor
+from tandem.server.protocol import ChatCompletionRequest
 
 BOS, A, B = 0, 1, 2
 USER_SAYS_A = [{"role": "user", "content": "a"}]
@@ -22,8 +23,9 @@ def inputs() -> InputProcessor:
         single="<s> $A", special_tokens=[("<s>", BOS)]
     )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="?")
-    # each message's text, then "b" where the assistant's turn would open
+    # each tool's name, each message's text, then "b" where the assistant's turn would open
     tokenizer.chat_template = (
+        "{% for t in tools or [] %}{{ t['function']['name'] }} {% endfor %}"
         "{% for m in messages %}{{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}b{% endif %}"
     )
@@ -40,3 +42,13 @@ def test_chats_take_what_the_template_writes(inputs):
     assert inputs.tokenize_chat(USER_SAYS_A) == [A, B]
     assert inputs.tokenize_chat(USER_SAYS_A, add_special_tokens=True) == [BOS, A, B]
     assert inputs.tokenize_chat(USER_SAYS_A, add_generation_prompt=False) == [A]
+
+
+def test_tools_with_tool_choice_none_reach_the_template(inputs):
+    """The tools are shown to the model; tool calls themselves are refused (a 400)."""
+    tools = [{"type": "function", "function": {"name": "b", "parameters": {"type": "object"}}}]
+    request = ChatCompletionRequest(messages=USER_SAYS_A, tools=tools, tool_choice="none")
+    assert inputs.tokenize_chat(USER_SAYS_A, **request.template_options()) == [B, A, B]
+    for fields in ({"tools": tools}, {"tool_choice": "auto"}, {"functions": [{"name": "b"}]}):
+        with pytest.raises(ValueError, match="not supported"):
+            ChatCompletionRequest(messages=USER_SAYS_A, **fields)

@@ -40,6 +40,15 @@ CITY = {
 }
 CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": CITY}}
 FRUIT_CHOICES = ["apples", "pears", "lemons"]
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 ANSWER_REGEX = r"(yes|no)\. [A-Z][a-z ]{0,20}\."
 BLOCKS_USED = "tandem_kv_cache_blocks_used"
 
@@ -348,6 +357,11 @@ async def test_request_fields_match_the_offline_engine(async_client, llm):
             {"temperature": 0, "max_tokens": 48, "response_format": CITY_FORMAT},
             {"temperature": 0, "max_tokens": 48, "structured_output": StructuredOutput(CITY)},
         ),
+        "tools with tool_choice none": (  # the default model's template shows no tools
+            FRANCE,
+            {"temperature": 0, "max_tokens": 8, "tools": WEATHER_TOOLS, "tool_choice": "none"},
+            {"temperature": 0, "max_tokens": 8},
+        ),
         "structured_outputs choice": (
             FRUITS,
             {"temperature": 0, "structured_outputs": {"choice": FRUIT_CHOICES}},
@@ -645,6 +659,9 @@ BAD_REQUESTS = [
         None,
     ),
     ("structured-output-empty", COMPLETIONS, {"prompt": "hi", "structured_outputs": {}}, 400, None),
+    ("tools", CHAT, {"messages": HI, "tools": [{"function": {"name": "f"}}]}, 400, None),
+    ("tool-choice-without-tools", CHAT, {"messages": HI, "tool_choice": "required"}, 400, None),
+    ("functions", CHAT, {"messages": HI, "functions": [{"name": "f"}]}, 400, None),
     ("zero-max-tokens", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, None),
     ("negative-max-tokens-chat", CHAT, {"messages": HI, "max_tokens": -3}, 400, None),
     (

@@ -206,6 +206,9 @@ class CompletionRequest(SamplingFields):
         return list(prompt)
 
 
+TOOL_MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -218,7 +221,11 @@ class ChatMessage(BaseModel):
             content = "".join(
                 part.get("text", "") for part in content if part.get("type") == "text"
             )
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        extra = self.model_extra or {}
+        # what a template may show of a tool-using conversation the client carried on itself
+        message.update({key: extra[key] for key in TOOL_MESSAGE_FIELDS if key in extra})
+        return message
 
 
 class ChatTemplateFields(BaseModel):
@@ -249,10 +256,53 @@ class ChatTemplateFields(BaseModel):
         }
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self) -> ChatCompletionRequest:
+        """Tool calls are not parsed out of the output: a request that lets the model call a
+        tool is refused rather than answered as text; tool_choice "none" shows the tools to
+        the model (in the chat template) and answers in text, as vLLM does."""
+        if self.functions is not None or self.function_call is not None:
+            raise ValueError(
+                "functions and function_call are not supported; use tools with "
+                'tool_choice "none", or leave them out'
+            )
+        if self.tools and self.tool_choice != "none":
+            raise ValueError(
+                "tool calls are not supported: tandem does not parse them out of the output. "
+                'Send tool_choice "none" to show the tools to the model and get a text answer, '
+                "or leave out tools"
+            )
+        if self.tool_choice not in (None, "none"):
+            raise ValueError('tool_choice other than "none" needs tools, which are not supported')
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        options = super().template_options()
+        if self.tools:
+            options["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return options
 
     @field_validator("messages")
     @classmethod
