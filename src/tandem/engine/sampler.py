@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tandem.engine.outputs import ScheduledRequest, TokenLogprobs
-from tandem.engine.structured_output import apply_grammar_masks
+from tandem.engine.structured_output import apply_grammar_masks, follow_sampled
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -54,8 +54,10 @@ class Sampler:
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._suppress_early_stops(logits, requests)
-        if any(r.grammar is not None for r in requests):
-            logits = apply_grammar_masks(logits, [r.grammar for r in requests])
+        has_grammar = any(r.grammar is not None for r in requests)
+        grammars = [r.grammar for r in requests] if has_grammar else None
+        if grammars is not None:
+            logits = apply_grammar_masks(logits, grammars)
         params = [r.sampling_params for r in requests]
         if any(p.logit_bias for p in params):
             logits = self._apply_logit_bias(logits, requests)
@@ -84,6 +86,8 @@ class Sampler:
             sampled = torch.where(greedy, sampled, drawn)
 
         token_ids = sampled.tolist()
+        if grammars is not None:
+            follow_sampled(grammars, token_ids)
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
             for row, request in enumerate(requests):

@@ -100,6 +100,11 @@ class GrammarMatcher:
             self.matcher.consume_tokens(new)
             self._num_followed = len(self._outputs)
 
+    def count_sampled(self) -> None:
+        """The matcher has consumed a token sampled for this request that the scheduler is
+        about to append to its outputs (`follow_sampled`)."""
+        self._num_followed += 1
+
     @property
     def is_complete(self) -> bool:
         """The grammar allows nothing more (an output that reached this ends there)."""
@@ -153,10 +158,22 @@ def tokenizer_json(tokenizer: Any) -> str | None:
 
 @functools.cache
 def _mask_executor() -> Any:
-    """llguidance's thread pool, which computes a batch's masks in parallel."""
+    """llguidance's thread pool, which computes a batch's masks, and advances its grammars, in
+    parallel."""
     import llguidance
 
     return llguidance.LLExecutor()
+
+
+def follow_sampled(grammars: Sequence[GrammarMatcher | None], token_ids: Sequence[int]) -> None:
+    """Advance each row's grammar over the token just sampled for it, all rows at once in
+    llguidance's thread pool; the scheduler appends the tokens to the outputs next."""
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+    for row in rows:
+        grammars[row].follow()  # anything appended since the masks were computed
+    _mask_executor().consume_token_par([(grammars[row].matcher, token_ids[row]) for row in rows])
+    for row in rows:
+        grammars[row].count_sampled()
 
 
 def apply_grammar_masks(
