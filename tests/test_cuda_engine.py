@@ -96,6 +96,28 @@ def test_piecewise_graphs_match_eager(tiny_checkpoints):
         assert llm.core.kv_manager.num_used_blocks == 0
 
 
+def test_prompt_logprobs_on_gpu_match_transformers(tiny_checkpoints):
+    """Prompt logprobs from the piecewise graphs' hidden states, in one batch and in chunks of
+    48 tokens, against transformers' float32 forward on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_checkpoints["qwen3-qknorm"]
+    prompts = [p for p in PROMPTS if len(p) > 1][:6]
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda()
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    for max_batched in (2048, 48):
+        llm = LLM(str(directory), device="cuda", dtype="float32", num_kv_blocks=2048,
+                  max_num_batched_tokens=max_batched)  # fmt: skip
+        for prompt, output in zip(prompts, llm.generate(prompts, params), strict=True):
+            with torch.no_grad():
+                logits = reference(torch.tensor([prompt], device="cuda")).logits[0]
+            expected = torch.log_softmax(logits.double(), dim=-1)
+            got = [entry.logprob for entry in output.prompt_logprobs[1:]]
+            want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+            assert got == pytest.approx(want.tolist(), abs=2e-3)
+        assert llm.core.kv_manager.num_used_blocks == 0
+
+
 BF16_TIE_GAP = 0.125  # two bf16 steps at the logits' magnitude (~8 to 16)
 
 

@@ -213,3 +213,33 @@ def test_greedy_penalties_match_transformers(llm, tiny_checkpoints):
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], greedy)]
     assert all(a != b for a, b in zip(plain, outputs[:3], strict=True))  # the penalties bite
     assert_all_blocks_free(llm)
+
+
+def test_prompt_logprobs_match_transformers(llm, tiny_checkpoints):
+    """Every prompt token's logprob and top-n, against transformers' forward; also for a prompt
+    whose prefix is already cached (it is computed again) and in small chunks."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = random_prompts(1, seed=8)[0] + random_prompts(1, seed=9)[0]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[SHAPE], dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt])).logits[0]
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    chunked = LLM(
+        str(tiny_checkpoints[SHAPE]), device="cpu", num_kv_blocks=64, max_num_batched_tokens=7
+    )
+    llm.generate([prompt[:20]], SamplingParams(temperature=0, max_tokens=1))  # cache a prefix
+    for engine in (llm, chunked):
+        (output,) = engine.generate([prompt], params)
+        entries = output.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        for position, entry in enumerate(entries[1:], start=1):
+            row = expected[position - 1]
+            assert entry.token_id == prompt[position]
+            assert entry.logprob == pytest.approx(float(row[prompt[position]]), abs=1e-3)
+            assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+            assert entry.rank == int((row > row[prompt[position]]).sum()) + 1
+        assert_all_blocks_free(engine)
+    (plain,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
+    assert plain.prompt_logprobs is None

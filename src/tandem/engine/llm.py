@@ -37,6 +37,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # one entry per prompt token (None for the first) when SamplingParams.prompt_logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 Prompt = str | list[int]
@@ -110,6 +112,8 @@ class LLM:
                 output.token_ids.extend(delta.token_ids)
                 if delta.logprobs:
                     output.logprobs = (output.logprobs or []) + delta.logprobs
+                if delta.prompt_logprobs is not None:
+                    result.prompt_logprobs = delta.prompt_logprobs
                 if delta.finish_reason is not None:
                     output.finish_reason = delta.finish_reason
                     output.stop_reason = delta.stop_reason

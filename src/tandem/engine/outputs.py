@@ -48,6 +48,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # of token_id among all tokens (1: the likeliest); prompt entries
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class KVConnectorOutput:
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> (prompt index of the first entry, logprobs of prompt tokens from there on)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,6 +88,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    # With a request's first output, when it asked for them: one entry per prompt token (None
+    # for the first, which nothing predicts).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -155,6 +155,7 @@ class SequenceDelta:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first delta
 
 
 @dataclass
@@ -221,6 +222,7 @@ class OutputProcessor:
                     output.num_cached_tokens,
                     kv_transfer_params,
                     output.error,
+                    output.prompt_logprobs,
                 )
             )
             if finished:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.outputs import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import GrammarMatcher
 
@@ -57,6 +58,8 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hits at first scheduling (for metrics)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # Logprobs of prompt tokens 1, 2, ... as their chunks are computed (prompt_logprobs asked).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
     # The engine's state of the request's structured output (set where the engine takes it).
     grammar: GrammarMatcher | None = field(default=None, repr=False, compare=False)
 

@@ -17,13 +17,14 @@ from tandem.attention.base import AttentionMetadata
 from tandem.engine.config import EngineConfig
 from tandem.engine.input_staging import InputStaging
 from tandem.engine.kv_cache_manager import slot_of
-from tandem.engine.outputs import RunnerOutput, SchedulerOutput
+from tandem.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from tandem.engine.sampler import Sampler
 from tandem.kv.base import KVConnector
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaForCausalLM
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose logits are computed at once
 
 
 @dataclass(frozen=True)
@@ -213,9 +214,9 @@ class ModelRunner:
             and not getattr(scheduler_output.kv_connector_metadata, "saves", None)
         )
 
-    def _forward(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
-        """Logits of the rows that sample (None when none does), from the piecewise graphs when
-        the batch fits them, else from the eager forward pass."""
+    def _forward(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states of the batch's tokens and the rows that sample, from the
+        piecewise graphs when the batch fits them, else from the eager forward pass."""
         connector_meta = scheduler_output.kv_connector_metadata
 
         def after_layer(index: int) -> None:
@@ -230,9 +231,30 @@ class ModelRunner:
         else:
             input_ids, positions, _ = token_inputs[:, :num_tokens]
             hidden = self.model(input_ids, positions, self.kv_cache, metadata, after_layer)
-        if not sample_rows.numel():
-            return None
-        return self.model.compute_logits(hidden[sample_rows])
+        return hidden, sample_rows
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, scheduler_output: SchedulerOutput
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """For the requests that asked for prompt logprobs: the logprobs of the prompt tokens
+        this step's chunk predicts (position p predicts token p + 1), with their top-n."""
+        result = {}
+        row = 0
+        for request in scheduler_output.requests:
+            count, first = len(request.token_ids), request.start_position
+            wanted = request.sampling_params.prompt_logprobs
+            last = min(first + count, len(request.prompt_token_ids) - 1)
+            if wanted is not None and last > first:
+                targets = request.prompt_token_ids[first + 1 : last + 1]
+                entries = []
+                for start in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+                    part = targets[start : start + PROMPT_LOGPROBS_ROWS]
+                    at = row + start
+                    logits = self.model.compute_logits(hidden[at : at + len(part)])
+                    entries.extend(self.sampler.logprobs_of(logits, part, wanted))
+                result[request.request_id] = (first + 1, entries)
+            row += count
+        return result
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -243,7 +265,13 @@ class ModelRunner:
             if self._graph_can_run(scheduler_output):
                 logits = self.decode_graphs.run(scheduler_output.requests)
             else:
-                logits = self._forward(scheduler_output)
+                hidden, sample_rows = self._forward(scheduler_output)
+                logits = None
+                if len(sample_rows):
+                    logits = self.model.compute_logits(hidden[sample_rows])
+                requests = scheduler_output.requests
+                if any(r.sampling_params.prompt_logprobs is not None for r in requests):
+                    output.prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output)
             self.connector.wait_for_save(connector_meta)
             to_sample = [r for r in scheduler_output.requests if r.sample]
             if to_sample:

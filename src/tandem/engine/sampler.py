@@ -92,14 +92,34 @@ class Sampler:
         if raw_logprobs is not None:
             for row, request in enumerate(requests):
                 count = request.sampling_params.logprobs
-                if count is None:
-                    continue
-                top_values, top_ids = raw_logprobs[row].topk(count) if count else (None, None)
-                top = list(zip(top_ids.tolist(), top_values.tolist(), strict=True)) if count else []
-                logprobs[row] = TokenLogprobs(
-                    token_ids[row], float(raw_logprobs[row, token_ids[row]]), top
-                )
+                if count is not None:
+                    logprobs[row] = token_logprobs(raw_logprobs[row], token_ids[row], count)
         return token_ids, logprobs
+
+    @staticmethod
+    @torch.inference_mode()
+    def logprobs_of(
+        logits: torch.Tensor, token_ids: Sequence[int], count: int
+    ) -> list[TokenLogprobs]:
+        """The raw logprob of token_ids[i] under row i of logits, its rank (1: the likeliest)
+        and the row's top `count`; in one transfer to the host."""
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        ids = torch.tensor(token_ids, device=raw.device)
+        chosen = raw.gather(1, ids[:, None])
+        ranks = (raw > chosen).sum(dim=-1) + 1
+        top_values, top_ids = raw.topk(count, dim=-1)
+        rows = zip(
+            token_ids,
+            chosen[:, 0].tolist(),
+            ranks.tolist(),
+            top_ids.tolist(),
+            top_values.tolist(),
+            strict=True,
+        )
+        return [
+            TokenLogprobs(token_id, logprob, list(zip(top, values, strict=True)), rank)
+            for token_id, logprob, rank, top, values in rows
+        ]
 
     def _suppress_early_stops(
         self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
@@ -187,6 +207,16 @@ class Sampler:
         remove[:, 0] = False  # the most likely token always stays
         masked = sorted_logits.masked_fill(remove, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, masked)
+
+
+def token_logprobs(raw: torch.Tensor, token_id: int, count: int) -> TokenLogprobs:
+    """One position's entry: the logprob of `token_id` in `raw` (a row of log-softmax values)
+    and the row's top `count` (none for 0)."""
+    top = []
+    if count:
+        top_values, top_ids = raw.topk(count)
+        top = list(zip(top_ids.tolist(), top_values.tolist(), strict=True))
+    return TokenLogprobs(token_id, float(raw[token_id]), top)
 
 
 def token_counts(

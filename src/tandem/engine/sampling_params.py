@@ -27,6 +27,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per sampled token (0: only the sampled one)
+    # top-n logprobs of every prompt token after the first (its whole prompt is computed then:
+    # no prefix-cache hits)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Penalties on tokens already seen, as in OpenAI and vLLM: presence and frequency subtract
     # from the logit of every token generated so far (once, and once per occurrence);
@@ -67,6 +70,10 @@ class SamplingParams:
                 "min_tokens must not exceed max_tokens",
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs must be in [0, 20]",
+            ),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),

@@ -115,7 +115,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            hits = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+            # prompt logprobs need the whole prompt computed here
+            cacheable = request.sampling_params.prompt_logprobs is None
+            fresh = request.num_computed_tokens == 0
+            hits = self.kv.get_computed_blocks(request) if fresh and cacheable else []
             num_local = request.num_computed_tokens + len(hits) * self.kv.block_size
             num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
             if load_async:
@@ -158,6 +161,11 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(item.token_ids)
             self.kv.cache_computed_blocks(request)
+            if (prompt_part := runner_output.prompt_logprobs.get(item.request_id)) is not None:
+                first, entries = prompt_part
+                recorded = len(request.prompt_logprobs) + 1  # prompt tokens 1 .. recorded - 1
+                if first <= recorded:  # a recomputed prompt (after preemption) adds nothing
+                    request.prompt_logprobs.extend(entries[recorded - first :])
             token_id = runner_output.sampled_token_ids.get(item.request_id)
             if token_id is None:
                 continue
@@ -165,21 +173,22 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(item.request_id)
             status = request.check_stop()
             if status is None:
-                outputs.append(
-                    EngineCoreOutput(
-                        request.request_id,
-                        [token_id],
-                        [logprobs] if logprobs else None,
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        num_cached_tokens=request.num_cached_tokens,
-                    )
+                output = EngineCoreOutput(
+                    request.request_id,
+                    [token_id],
+                    [logprobs] if logprobs else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             else:
                 self.running.remove(request)
                 output = self._finish(request, status)
                 output.new_token_ids = [token_id]
                 output.new_logprobs = [logprobs] if logprobs else None
-                outputs.append(output)
+            wants_prompt = request.sampling_params.prompt_logprobs is not None
+            if wants_prompt and request.num_output_tokens == 1:
+                output.prompt_logprobs = [None, *request.prompt_logprobs]
+            outputs.append(output)
         return outputs
 
     # -- internals -------------------------------------------------------------------------------
