@@ -124,6 +124,15 @@ def test_structured_outputs_match_both_worker(client, trio, stream: bool):
     assert_nothing_held(trio["prefill"], trio["decode"])
 
 
+def test_a_decode_leg_refuses_prompt_logprobs(client, trio):
+    """A decode leg loads the prompt's KV: it has no prompt logprobs to give."""
+    kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "127.0.0.1"}
+    for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):
+        body = {"prompt": "Once", "max_tokens": 2, "kv_transfer_params": kv, **extra}
+        answer = client.post(trio["decode"].url + "/v1/completions", json=body)
+        assert answer.status_code == 400 and "prompt logprobs" in answer.text
+
+
 def test_text_prompt_matches_both_worker(client, trio):
     body = {"prompt": "Once upon a time, there was a little", "max_tokens": 6, "temperature": 0}
     pd, both = run_pd_and_direct(client, trio, "/v1/completions", body)

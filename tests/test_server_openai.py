@@ -437,20 +437,66 @@ async def test_request_fields_match_the_offline_engine(async_client, llm):
 
 
 def test_logprobs_and_echo(client, llm):
-    (reference,) = offline(llm, FRUITS, temperature=0, max_tokens=6, logprobs=3)
+    """echo with logprobs scores the prompt too (the first prompt token has none), as
+    lm-evaluation-harness reads it; the values are the offline engine's prompt logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=3)
+    (offline_output,) = llm.generate([FRUITS], params)
+    reference = offline_output.outputs[0]
+    prompt_ids = offline_output.prompt_token_ids
     response = client.completions.create(
         model=MODEL, prompt=FRUITS, temperature=0, max_tokens=6, logprobs=3, echo=True
     )
     choice = response.choices[0]
     assert choice.text == FRUITS + reference.text
     logprobs = choice.logprobs
-    assert len(logprobs.tokens) == response.usage.completion_tokens == 6
-    for value, tops, expected in zip(
-        logprobs.token_logprobs, logprobs.top_logprobs, reference.logprobs, strict=True
-    ):
-        assert value == pytest.approx(expected.logprob, abs=1e-4)
+    assert response.usage.completion_tokens == 6
+    assert len(logprobs.tokens) == len(prompt_ids) + 6
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = [entry.logprob for entry in offline_output.prompt_logprobs[1:]]
+    expected += [entry.logprob for entry in reference.logprobs]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    generated = zip(logprobs.token_logprobs[-6:], logprobs.top_logprobs[-6:], strict=True)
+    for value, tops in generated:
         assert 1 <= len(tops) <= 3
         assert max(tops.values()) == pytest.approx(value, abs=1e-6)  # greedy: the best token
+    assert all(len(tops) <= 3 for tops in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset[len(prompt_ids)] == len(FRUITS)
+
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=FRUITS, temperature=0, max_tokens=6, logprobs=3, echo=True,
+            stream=True,
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens
+
+
+def test_vllm_prompt_logprobs(client, llm):
+    (offline_output,) = llm.generate(
+        [FRUITS], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    )
+    answer = client.completions.create(
+        model=MODEL, prompt=FRUITS, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    listed = answer.choices[0].model_extra["prompt_logprobs"]
+    prompt_ids = offline_output.prompt_token_ids
+    assert len(listed) == len(prompt_ids) and listed[0] is None
+    for token_id, entry, expected in zip(
+        prompt_ids[1:], listed[1:], offline_output.prompt_logprobs[1:], strict=True
+    ):
+        assert entry[str(token_id)]["logprob"] == pytest.approx(expected.logprob, abs=1e-4)
+        assert entry[str(token_id)]["rank"] == expected.rank >= 1
+        tops = sorted((v["rank"], k) for k, v in entry.items() if v["rank"] <= 2)
+        assert [int(k) for _, k in tops][:2] == [t for t, _ in expected.top]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    listed = chat.model_extra["prompt_logprobs"]
+    assert listed[0] is None and all(len(entry) == 1 for entry in listed[1:])
+    assert len(listed) == chat.usage.prompt_tokens
 
     chat = client.chat.completions.create(
         model=MODEL, messages=FRANCE, temperature=0, max_tokens=5, logprobs=True, top_logprobs=2

@@ -13,8 +13,8 @@ prefill leg, carrying a handoff id; the decode worker waits on the prefill worke
 for the prefill's announcement instead of for the router (docs/protocol.md). The client sees the
 same stream.
 
-Plain (n > 1, batch prompts, or no prefill/decode pair): the body goes unchanged to a decode or
-`both` worker and its answer is relayed.
+Plain (n > 1, batch prompts, prompt logprobs, or no prefill/decode pair): the body goes unchanged
+to a decode or `both` worker and its answer is relayed.
 
 Invariants:
 * Nothing is sent to the client before the first leg answered, so until then a worker that is
@@ -176,6 +176,14 @@ def is_single_prompt(endpoint: str, body: dict[str, Any]) -> bool:
     return True
 
 
+def scores_the_prompt(endpoint: str, body: dict[str, Any]) -> bool:
+    """Whether the request wants its prompt's logprobs (vLLM's prompt_logprobs, or echo with
+    logprobs): only the worker that computes the prompt has them, so one worker answers it."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return endpoint == "completions" and bool(body.get("echo")) and body.get("logprobs") is not None
+
+
 def choice_text(endpoint: str, choice: dict[str, Any], *, streamed: bool) -> str:
     if endpoint == "completions":
         return choice.get("text") or ""
@@ -256,6 +264,7 @@ class Proxy:
     async def _route(self, ctx: RequestContext) -> Flow:
         disaggregate = (
             is_single_prompt(ctx.endpoint, ctx.body)
+            and not scores_the_prompt(ctx.endpoint, ctx.body)
             and self.pool.available(("prefill",))
             and self.pool.available(("decode",))
         )

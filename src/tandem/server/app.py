@@ -62,6 +62,7 @@ class Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None  # one entry per prompt token, None for the first
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -185,6 +186,12 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
                 )
             if body.n != 1:
                 raise ClientError("n must be 1 for a disaggregated (PD) request", param="n")
+        if params.get("do_remote_prefill") and body.wanted_prompt_logprobs() is not None:
+            raise ClientError(
+                "prompt logprobs need the prompt computed here; a decode leg loads its KV. "
+                "Send the request without kv_transfer_params",
+                param="kv_transfer_params",
+            )
         if params.get("do_remote_decode") and body.stream:
             raise ClientError(
                 "the prefill leg of a PD request cannot stream; send stream=false",
@@ -405,6 +412,30 @@ class ResponseWriter:
         tokenizer = self.client.tokenizer
         return "" if tokenizer is None else tokenizer.decode([token_id])
 
+    def with_prompt_logprobs(self, target: dict[str, Any], entries: list | None) -> dict[str, Any]:
+        """`target` with vLLM's prompt_logprobs when the request asked for them: per prompt
+        token (None for the first) {token id: {logprob, rank, decoded_token}} for the token
+        and the top prompt_logprobs."""
+        count = self.body.prompt_logprobs
+        if count is None or entries is None:
+            return target
+        listed: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if entry is None:
+                listed.append(None)
+                continue
+            item = {
+                str(entry.token_id): self.vllm_logprob(entry.token_id, entry.logprob, entry.rank)
+            }
+            for rank, (token_id, logprob) in enumerate(entry.top[:count], start=1):
+                item.setdefault(str(token_id), self.vllm_logprob(token_id, logprob, rank))
+            listed.append(item)
+        target["prompt_logprobs"] = listed
+        return target
+
+    def vllm_logprob(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
+
     def new_choices(self) -> dict[int, Choice]:
         return {index: Choice() for index in range(len(self.prompt_ids) * self.n)}
 
@@ -420,6 +451,8 @@ class ResponseWriter:
                 choice.text += delta.text
                 choice.token_ids.extend(delta.token_ids)
                 choice.logprobs.extend(delta.logprobs or [])
+                if delta.prompt_logprobs is not None:
+                    choice.prompt_logprobs = delta.prompt_logprobs
                 if delta.finish_reason is not None:
                     choice.finish_reason = delta.finish_reason
                     choice.stop_reason = delta.stop_reason
@@ -441,6 +474,12 @@ class ResponseWriter:
         }
         if self.body.kv_transfer_params is not None:
             response["kv_transfer_params"] = kv_transfer_params
+        return self.with_response_fields(response, choices)
+
+    def with_response_fields(
+        self, response: dict[str, Any], choices: dict[int, Choice]
+    ) -> dict[str, Any]:
+        """What a response holds besides its choices (by endpoint)."""
         return response
 
     async def stream(
@@ -501,15 +540,27 @@ class CompletionWriter(ResponseWriter):
             for p in prompts
         ]
 
-    def logprobs_object(self, logprobs: list, offset: int = 0) -> dict[str, Any] | None:
+    def logprobs_object(
+        self, logprobs: list, index: int, prompt_logprobs: list | None = None
+    ) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs; with echo, the prompt's tokens come first (the first one
+        without a logprob, as nothing predicts it)."""
         if self.body.logprobs is None:
             return None
+        rows = [(item.token_id, item.logprob, item.top) for item in logprobs]
+        if self.body.echo and prompt_logprobs is not None:
+            prompt_ids = self.prompt_ids[index // self.n]
+            rows[:0] = [(prompt_ids[0], None, None)] + [
+                (item.token_id, item.logprob, item.top) for item in prompt_logprobs[1:]
+            ]
         tokens, values, tops, offsets = [], [], [], []
-        for item in logprobs:
-            text = self.token_text(item.token_id)
+        offset = 0
+        for token_id, logprob, top in rows:
+            text = self.token_text(token_id)
             tokens.append(text)
-            values.append(item.logprob)
-            tops.append({self.token_text(t): lp for t, lp in item.top})
+            values.append(logprob)
+            top = None if top is None else top[: self.body.logprobs]
+            tops.append(None if top is None else {self.token_text(t): lp for t, lp in top})
             offsets.append(offset)
             offset += len(text)
         return {
@@ -521,13 +572,16 @@ class CompletionWriter(ResponseWriter):
 
     def full_choice(self, index: int, choice: Choice) -> dict[str, Any]:
         prefix = self.prompt_texts[index // self.n] if self.body.echo else ""
-        return {
-            "index": index,
-            "text": prefix + choice.text,
-            "logprobs": self.logprobs_object(choice.logprobs),
-            "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-        }
+        return self.with_prompt_logprobs(
+            {
+                "index": index,
+                "text": prefix + choice.text,
+                "logprobs": self.logprobs_object(choice.logprobs, index, choice.prompt_logprobs),
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            },
+            choice.prompt_logprobs,
+        )
 
     async def opening_chunks(self) -> AsyncIterator[dict[str, Any]]:
         if self.body.echo:
@@ -539,18 +593,30 @@ class CompletionWriter(ResponseWriter):
                     )
 
     def delta_choice(self, index: int, delta: SequenceDelta) -> dict[str, Any]:
-        return {
-            "index": index,
-            "text": delta.text,
-            "logprobs": self.logprobs_object(delta.logprobs or []),
-            "finish_reason": delta.finish_reason,
-            "stop_reason": delta.stop_reason,
-        }
+        """A chunk; the first one after an echoed prompt carries the prompt's logprobs."""
+        return self.with_prompt_logprobs(
+            {
+                "index": index,
+                "text": delta.text,
+                "logprobs": self.logprobs_object(
+                    delta.logprobs or [], index, delta.prompt_logprobs
+                ),
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            },
+            delta.prompt_logprobs,
+        )
 
 
 class ChatWriter(ResponseWriter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def with_response_fields(
+        self, response: dict[str, Any], choices: dict[int, Choice]
+    ) -> dict[str, Any]:
+        """vLLM puts a chat's prompt_logprobs beside its choices (they share the prompt)."""
+        return self.with_prompt_logprobs(response, choices[0].prompt_logprobs)
 
     def logprobs_object(self, logprobs: list) -> dict[str, Any] | None:
         if not self.body.logprobs:

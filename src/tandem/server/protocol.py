@@ -82,6 +82,7 @@ class SamplingFields(BaseModel):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False  # choices (and stream chunks) carry their token ids
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's
     # Structured outputs, asked for in one of three ways: OpenAI's response_format, vLLM's
     # structured_outputs, or vLLM's older guided_* fields.
     response_format: ResponseFormat | None = None
@@ -90,6 +91,10 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """How many top logprobs each prompt token needs (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     def structured_output(self) -> StructuredOutput | None:
         """The output constraint the request asks for, checked (ValueError naming the field)."""
@@ -158,6 +163,7 @@ class SamplingFields(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.wanted_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -172,6 +178,12 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True  # the tokenizer's BOS and the like before a text prompt
     suffix: str | None = None
     best_of: int | None = None
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt too (OpenAI's legacy completions)."""
+        counts = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        counts = [count for count in counts if count is not None]
+        return max(counts) if counts else None
 
     @field_validator("suffix")
     @classmethod
