@@ -44,11 +44,18 @@ def test_chats_take_what_the_template_writes(inputs):
     assert inputs.tokenize_chat(USER_SAYS_A, add_generation_prompt=False) == [A]
 
 
-def test_tools_with_tool_choice_none_reach_the_template(inputs):
-    """The tools are shown to the model; tool calls themselves are refused (a 400)."""
+def test_tools_reach_the_template_and_unusable_tool_choices_are_refused(inputs):
     tools = [{"type": "function", "function": {"name": "b", "parameters": {"type": "object"}}}]
-    request = ChatCompletionRequest(messages=USER_SAYS_A, tools=tools, tool_choice="none")
-    assert inputs.tokenize_chat(USER_SAYS_A, **request.template_options()) == [B, A, B]
-    for fields in ({"tools": tools}, {"tool_choice": "auto"}, {"functions": [{"name": "b"}]}):
-        with pytest.raises(ValueError, match="not supported"):
+    for choice in ("none", "required", {"type": "function", "function": {"name": "b"}}):
+        request = ChatCompletionRequest(messages=USER_SAYS_A, tools=tools, tool_choice=choice)
+        assert inputs.tokenize_chat(USER_SAYS_A, **request.template_options()) == [B, A, B]
+    refused = [
+        ({"tools": tools}, "needs a parser"),  # "auto", the default with tools
+        ({"tools": tools, "tool_choice": "auto"}, "needs a parser"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": tools, "tool_choice": {"function": {"name": "c"}}}, "not among the tools"),
+        ({"functions": [{"name": "b"}]}, "not supported"),
+    ]
+    for fields, message in refused:
+        with pytest.raises(ValueError, match=message):
             ChatCompletionRequest(messages=USER_SAYS_A, **fields)

@@ -276,16 +276,20 @@ def test_several_choices_skip_the_prefill_leg(make_cluster):
     assert cluster.decode[0].kinds() == ["plain"]
 
 
-def test_requests_for_prompt_logprobs_skip_the_prefill_leg(make_cluster):
-    """Only the worker that computes the prompt has its logprobs."""
+def test_prompt_logprobs_and_tool_calls_skip_the_prefill_leg(make_cluster):
+    """Only the worker that computes the prompt has its logprobs; tool calls are made of the
+    whole output."""
     cluster = make_cluster()
     for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):
         body = {"model": MODEL, "prompt": "m n", "max_tokens": 2, **extra}
         assert HTTP.post(cluster.url + "/v1/completions", json=body).status_code == 200
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "m"}], "prompt_logprobs": 0}
-    assert HTTP.post(cluster.url + "/v1/chat/completions", json=chat).status_code == 200
+    messages = [{"role": "user", "content": "m"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for extra in ({"prompt_logprobs": 0}, {"tools": tools, "tool_choice": "required"}):
+        chat = {"model": MODEL, "messages": messages, **extra}
+        assert HTTP.post(cluster.url + "/v1/chat/completions", json=chat).status_code == 200
     assert cluster.prefill[0].stats.requests == []
-    assert cluster.decode[0].kinds() == ["plain"] * 3
+    assert cluster.decode[0].kinds() == ["plain"] * 4
 
 
 def test_without_prefill_workers_requests_are_balanced_over_both_workers(make_cluster):

@@ -474,6 +474,57 @@ def test_logprobs_and_echo(client, llm):
     assert tokens == logprobs.tokens
 
 
+def test_forced_tool_calls(client, llm):
+    """A named function: its arguments are the output held to its parameters' schema (the
+    offline engine's output under that schema); "required": a list of calls; streamed, the
+    calls come whole in the last chunk."""
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": parameters}},
+        {"type": "function", "function": {"name": "get_time"}},
+    ]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    answer = client.chat.completions.create(
+        model=MODEL, messages=weather, tools=tools, tool_choice=named, temperature=0, max_tokens=30
+    )
+    (reference,) = offline(
+        llm, weather, temperature=0, max_tokens=30,
+        structured_output=StructuredOutput(json=parameters),
+    )  # fmt: skip
+    message = answer.choices[0].message
+    assert message.content is None and answer.choices[0].finish_reason == "stop"
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == reference.text
+    assert set(json.loads(call.function.arguments)) == {"city"} and call.id.startswith("call_")
+
+    required = client.chat.completions.create(
+        model=MODEL, messages=weather, tools=tools, tool_choice="required", temperature=0,
+        max_tokens=60,
+    )  # fmt: skip
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+    assert required.choices[0].finish_reason == "tool_calls"
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=weather, tools=tools, tool_choice=named, temperature=0,
+            max_tokens=30, stream=True,
+        )
+    )  # fmt: skip
+    streamed = [
+        c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
+    ]
+    assert len(streamed) == 1 and streamed[0][0].function.arguments == reference.text
+    assert streamed[0][0].index == 0 and chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_vllm_prompt_logprobs(client, llm):
     (offline_output,) = llm.generate(
         [FRUITS], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)

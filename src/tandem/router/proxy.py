@@ -13,8 +13,8 @@ prefill leg, carrying a handoff id; the decode worker waits on the prefill worke
 for the prefill's announcement instead of for the router (docs/protocol.md). The client sees the
 same stream.
 
-Plain (n > 1, batch prompts, prompt logprobs, or no prefill/decode pair): the body goes unchanged
-to a decode or `both` worker and its answer is relayed.
+Plain (n > 1, batch prompts, prompt logprobs, tool calls, or no prefill/decode pair): the body
+goes unchanged to a decode or `both` worker and its answer is relayed.
 
 Invariants:
 * Nothing is sent to the client before the first leg answered, so until then a worker that is
@@ -176,12 +176,16 @@ def is_single_prompt(endpoint: str, body: dict[str, Any]) -> bool:
     return True
 
 
-def scores_the_prompt(endpoint: str, body: dict[str, Any]) -> bool:
-    """Whether the request wants its prompt's logprobs (vLLM's prompt_logprobs, or echo with
-    logprobs): only the worker that computes the prompt has them, so one worker answers it."""
+def needs_one_worker(endpoint: str, body: dict[str, Any]) -> bool:
+    """Whether one worker must answer the request whole: it wants its prompt's logprobs
+    (vLLM's prompt_logprobs, or echo with logprobs; only the worker that computes the prompt
+    has them), or tool calls (made of the whole output, where the PD flow streams the first
+    token's text)."""
     if body.get("prompt_logprobs") is not None:
         return True
-    return endpoint == "completions" and bool(body.get("echo")) and body.get("logprobs") is not None
+    if endpoint == "chat":
+        return bool(body.get("tools")) and body.get("tool_choice") != "none"
+    return bool(body.get("echo")) and body.get("logprobs") is not None
 
 
 def choice_text(endpoint: str, choice: dict[str, Any], *, streamed: bool) -> str:
@@ -264,7 +268,7 @@ class Proxy:
     async def _route(self, ctx: RequestContext) -> Flow:
         disaggregate = (
             is_single_prompt(ctx.endpoint, ctx.body)
-            and not scores_the_prompt(ctx.endpoint, ctx.body)
+            and not needs_one_worker(ctx.endpoint, ctx.body)
             and self.pool.available(("prefill",))
             and self.pool.available(("decode",))
         )

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -495,6 +496,7 @@ class ResponseWriter:
                 tracker.observe(delta)
                 index = self.choice_index(prompt_index, delta)
                 choice = choices[index]
+                choice.text += delta.text
                 choice.token_ids.extend(delta.token_ids)
                 if delta.finish_reason is not None:
                     choice.finish_reason = delta.finish_reason
@@ -504,8 +506,9 @@ class ResponseWriter:
                     return
                 wants_ids = self.body.return_token_ids and delta.token_ids
                 if delta.text or delta.finish_reason is not None or delta.logprobs or wants_ids:
-                    choice_chunk = self.delta_choice(index, delta)
-                    yield self.chunk([self.with_token_ids(choice_chunk, delta.token_ids)])
+                    choice_chunk = self.delta_choice(index, delta, choice)
+                    if choice_chunk is not None:
+                        yield self.chunk([self.with_token_ids(choice_chunk, delta.token_ids)])
         finally:  # a request cut short (disconnect, error) is counted too
             tracker.finish(choices.values())
         options = self.body.stream_options
@@ -592,7 +595,7 @@ class CompletionWriter(ResponseWriter):
                         [{"index": index, "text": text, "logprobs": None, "finish_reason": None}]
                     )
 
-    def delta_choice(self, index: int, delta: SequenceDelta) -> dict[str, Any]:
+    def delta_choice(self, index: int, delta: SequenceDelta, choice: Choice) -> dict[str, Any]:
         """A chunk; the first one after an echoed prompt carries the prompt's logprobs."""
         return self.with_prompt_logprobs(
             {
@@ -633,12 +636,46 @@ class ChatWriter(ResponseWriter):
             ]
         }
 
+    def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The calls a forced tool choice's output holds, in OpenAI's shape; None when it is not
+        complete JSON (cut short by max_tokens)."""
+        forced = self.body.forced_tool_calls()
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if forced == "required":
+            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+        else:
+            calls = [(forced, text)]
+        return [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            for name, arguments in calls
+        ]
+
+    def answer(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """The message's body (content, or the forced tool calls) and the finish reason, which
+        is "tool_calls" for tool_choice "required" (as in vLLM)."""
+        forced = self.body.forced_tool_calls()
+        calls = self.tool_calls(choice.text) if forced is not None else None
+        if calls is None:
+            return {"content": choice.text}, choice.finish_reason
+        finish_reason = choice.finish_reason
+        if forced == "required" and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return {"content": None, "tool_calls": calls}, finish_reason
+
     def full_choice(self, index: int, choice: Choice) -> dict[str, Any]:
+        body, finish_reason = self.answer(choice)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": {"role": "assistant", **body},
             "logprobs": self.logprobs_object(choice.logprobs),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }
 
@@ -650,12 +687,23 @@ class ChatWriter(ResponseWriter):
             ]
         )
 
-    def delta_choice(self, index: int, delta: SequenceDelta) -> dict[str, Any]:
+    def delta_choice(
+        self, index: int, delta: SequenceDelta, choice: Choice
+    ) -> dict[str, Any] | None:
+        """A chunk; forced tool calls go out whole in the last one (None before it)."""
+        body, finish_reason = {"content": delta.text} if delta.text else {}, delta.finish_reason
+        if self.body.forced_tool_calls() is not None:
+            if delta.finish_reason is None:
+                return None
+            body, finish_reason = self.answer(choice)
+            if "tool_calls" in body:
+                calls = [dict(call, index=i) for i, call in enumerate(body["tool_calls"])]
+                body = {"tool_calls": calls}
         return {
             "index": index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": body,
             "logprobs": self.logprobs_object(delta.logprobs or []),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": delta.stop_reason,
         }
 

@@ -281,34 +281,81 @@ class ChatTool(BaseModel):
     function: FunctionDefinition
 
 
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ChatTool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _no_tool_calls(self) -> ChatCompletionRequest:
-        """Tool calls are not parsed out of the output: a request that lets the model call a
-        tool is refused rather than answered as text; tool_choice "none" shows the tools to
-        the model (in the chat template) and answers in text, as vLLM does."""
+    def _tool_choice_is_forced_or_none(self) -> ChatCompletionRequest:
+        """Tool calls are made by holding the output to the tools' JSON (tool_choice
+        "required" or a named function); tandem has no parser that finds calls in free text,
+        so "auto" (the default with tools) is refused rather than answered as text. "none"
+        shows the tools to the model (in the chat template) and answers in text, as vLLM."""
         if self.functions is not None or self.function_call is not None:
             raise ValueError(
-                "functions and function_call are not supported; use tools with "
-                'tool_choice "none", or leave them out'
+                "functions and function_call are not supported; use tools and tool_choice"
             )
-        if self.tools and self.tool_choice != "none":
+        names = [tool.function.name for tool in self.tools or []]
+        if not names and self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice needs tools to choose from")
+        if names and self.tool_choice in (None, "auto"):
             raise ValueError(
-                "tool calls are not supported: tandem does not parse them out of the output. "
-                'Send tool_choice "none" to show the tools to the model and get a text answer, '
-                "or leave out tools"
+                'tool_choice "auto" (the default with tools) needs a parser of tool calls in '
+                'free text, which tandem does not have; send tool_choice "required", a named '
+                'function ({"type": "function", "function": {"name": ...}}) or "none"'
             )
-        if self.tool_choice not in (None, "none"):
-            raise ValueError('tool_choice other than "none" needs tools, which are not supported')
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names {self.tool_choice.function.name!r}, which is not among "
+                    f"the tools ({', '.join(names)})"
+                )
         return self
+
+    def forced_tool_calls(self) -> str | None:
+        """ "required", or the name of the one function to call, or None (no tool calls)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """A forced tool call holds the output to the arguments' JSON schema (a named
+        function) or to a list of {"name", "parameters"} objects, one per call ("required")."""
+        other = super().structured_output()
+        if (forced := self.forced_tool_calls()) is None:
+            return other
+        if other is not None:
+            raise ValueError("tool calls and structured outputs cannot be asked for together")
+        parameters = {
+            tool.function.name: tool.function.parameters or {"type": "object"}
+            for tool in self.tools or []
+        }
+        if forced != "required":
+            return StructuredOutput(json=parameters[forced])
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [name]}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, schema in parameters.items()
+        ]
+        return StructuredOutput(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
 
     def template_options(self) -> dict[str, Any]:
         options = super().template_options()
