@@ -3,7 +3,8 @@ one running slot and one waiting slot (`--max-num-seqs 1 --max-waiting 1`).
 
 A request beyond the waiting queue gets a 503 error object and the server recovers once the queue
 drains. SIGTERM while a response streams: the listening socket closes, the in-flight stream still
-completes, and the process exits 0. The SIGTERM test stops this module's worker, so it runs last.
+completes, and the process exits 0. The SIGTERM test stops this module's worker, so it runs after
+the tests that use it. A worker killed outright leaves no engine core behind.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from worker_fixtures import running_worker, wait_for_metric
+from worker_fixtures import running_worker, start_worker, wait_for_metric
 
 LIMIT_FLAGS = ("--max-num-seqs", "1", "--max-waiting", "1")
 EXIT_TIMEOUT_S = 30.0
@@ -129,3 +130,22 @@ def process_group_is_empty(group_id: int, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_the_engine_stops_when_its_api_process_is_killed(tmp_path, tiny_checkpoints):
+    """A worker killed outright (no shutdown message reaches its engine core) leaves nothing
+    running: the engine finds its parent gone and stops."""
+    worker = start_worker(
+        tmp_path, "--num-kv-blocks", "64", model=str(tiny_checkpoints["llama-gqa"])
+    )
+    try:
+        worker.wait_healthy()
+        answer = httpx.post(
+            f"{worker.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}
+        )
+        assert answer.status_code == 200
+        worker.process.kill()
+        worker.process.wait(timeout=EXIT_TIMEOUT_S)
+        assert process_group_is_empty(worker.process.pid), "the engine core outlived its worker"
+    finally:
+        worker.stop()

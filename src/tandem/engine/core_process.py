@@ -6,13 +6,15 @@
 
 Messages are pickled tuples over two ZeroMQ PUSH/PULL sockets on ipc:// addresses:
     in:  ("add", [Request]) | ("abort", [request_id]) | ("release_kv", remote_request_id)
-         | ("release_remote", kv_transfer_params) | ("shutdown",)
+         | ("release_remote", kv_transfer_params) | ("tokenizer", json, eos_token_ids)
+         | ("shutdown",)
     out: ("ready", info) | ("error", message) | ("outputs", [EngineCoreOutput], stats)
 The loop blocks on its input only while it has nothing to do; a KV transport thread that
 finishes a load or a remote read wakes it through a pipe, so a loaded request starts at once.
 For `busy_poll_s` after its last work it waits by polling without sleeping, which keeps its CPU
 core awake for the next request (on the GPU hosts an idle core doubled the host time of about
-one prefill step in five, and of most at 1024 tokens).
+one prefill step in five, and of most at 1024 tokens). An engine whose API process is gone
+(killed, so it could not send "shutdown") stops the next time it finds nothing to do.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def run_engine_core(
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     poller.register(wake_read, zmq.POLLIN)
+    api_process = os.getppid()
     busy_poll_s = core.config.busy_poll_s
     if busy_poll_s > 0:
         sys.setswitchinterval(BUSY_POLL_SWITCH_INTERVAL_S)
@@ -147,6 +150,9 @@ def run_engine_core(
                 if transfer_outputs := core.take_finished_transfers():
                     outputs.send_pyobj(("outputs", transfer_outputs, collect_stats(core)))
                 step_outputs.extend(core.step_batch())
+            elif os.getppid() != api_process:  # reparented: the API process died
+                logger.warning("the API process is gone: the engine stops")
+                return
             now = time.monotonic()
             if step_outputs or now - last_stats > STATS_INTERVAL_S:
                 outputs.send_pyobj(("outputs", step_outputs, collect_stats(core)))
