@@ -48,7 +48,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
-    rank: int | None = None  # of token_id among all tokens (1: the likeliest); prompt entries
+    rank: int | None = None  # of token_id among all tokens (1: the likeliest)
 
 
 @dataclass(frozen=True)

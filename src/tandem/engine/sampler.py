@@ -90,10 +90,14 @@ class Sampler:
             follow_sampled(grammars, token_ids)
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
-            for row, request in enumerate(requests):
-                count = request.sampling_params.logprobs
-                if count is not None:
-                    logprobs[row] = token_logprobs(raw_logprobs[row], token_ids[row], count)
+            rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+            counts = [requests[row].sampling_params.logprobs for row in rows]
+            entries = logprob_entries(
+                raw_logprobs[rows], [token_ids[row] for row in rows], max(counts)
+            )
+            for row, count, entry in zip(rows, counts, entries, strict=True):
+                entry.top = entry.top[:count]
+                logprobs[row] = entry
         return token_ids, logprobs
 
     @staticmethod
@@ -101,25 +105,9 @@ class Sampler:
     def logprobs_of(
         logits: torch.Tensor, token_ids: Sequence[int], count: int
     ) -> list[TokenLogprobs]:
-        """The raw logprob of token_ids[i] under row i of logits, its rank (1: the likeliest)
-        and the row's top `count`; in one transfer to the host."""
-        raw = torch.log_softmax(logits.float(), dim=-1)
-        ids = torch.tensor(token_ids, device=raw.device)
-        chosen = raw.gather(1, ids[:, None])
-        ranks = (raw > chosen).sum(dim=-1) + 1
-        top_values, top_ids = raw.topk(count, dim=-1)
-        rows = zip(
-            token_ids,
-            chosen[:, 0].tolist(),
-            ranks.tolist(),
-            top_ids.tolist(),
-            top_values.tolist(),
-            strict=True,
-        )
-        return [
-            TokenLogprobs(token_id, logprob, list(zip(top, values, strict=True)), rank)
-            for token_id, logprob, rank, top, values in rows
-        ]
+        """The raw logprob of token_ids[i] under row i of logits, its rank and the row's top
+        `count` (prompt positions)."""
+        return logprob_entries(torch.log_softmax(logits.float(), dim=-1), token_ids, count)
 
     def _suppress_early_stops(
         self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
@@ -209,14 +197,26 @@ class Sampler:
         return torch.empty_like(logits).scatter_(-1, order, masked)
 
 
-def token_logprobs(raw: torch.Tensor, token_id: int, count: int) -> TokenLogprobs:
-    """One position's entry: the logprob of `token_id` in `raw` (a row of log-softmax values)
-    and the row's top `count` (none for 0)."""
-    top = []
-    if count:
-        top_values, top_ids = raw.topk(count)
-        top = list(zip(top_ids.tolist(), top_values.tolist(), strict=True))
-    return TokenLogprobs(token_id, float(raw[token_id]), top)
+def logprob_entries(raw: torch.Tensor, token_ids: Sequence[int], count: int) -> list[TokenLogprobs]:
+    """One entry per row of `raw` (log-softmax values [rows, vocab]): the logprob of
+    token_ids[i], its rank (1: the likeliest) and the row's top `count` (none for 0), brought
+    to the host together."""
+    ids = torch.tensor(token_ids, device=raw.device)
+    chosen = raw.gather(1, ids[:, None])
+    ranks = (raw > chosen).sum(dim=-1) + 1
+    top_values, top_ids = raw.topk(count, dim=-1)
+    rows = zip(
+        token_ids,
+        chosen[:, 0].tolist(),
+        ranks.tolist(),
+        top_ids.tolist(),
+        top_values.tolist(),
+        strict=True,
+    )
+    return [
+        TokenLogprobs(token_id, logprob, list(zip(top, values, strict=True)), rank)
+        for token_id, logprob, rank, top, values in rows
+    ]
 
 
 def token_counts(

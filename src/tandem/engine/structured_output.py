@@ -167,10 +167,9 @@ def _mask_executor() -> Any:
 
 def follow_sampled(grammars: Sequence[GrammarMatcher | None], token_ids: Sequence[int]) -> None:
     """Advance each row's grammar over the token just sampled for it, all rows at once in
-    llguidance's thread pool; the scheduler appends the tokens to the outputs next."""
+    llguidance's thread pool; the scheduler appends the tokens to the outputs next. The
+    grammars have followed the outputs so far (`apply_grammar_masks`, earlier in the step)."""
     rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
-    for row in rows:
-        grammars[row].follow()  # anything appended since the masks were computed
     _mask_executor().consume_token_par([(grammars[row].matcher, token_ids[row]) for row in rows])
     for row in rows:
         grammars[row].count_sampled()
