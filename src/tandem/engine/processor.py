@@ -8,6 +8,7 @@ logprobs; it reports which requests a stop string ended so the caller can abort 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,12 +54,16 @@ class InputProcessor:
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty; send at least one token")
+        self.check_token_ids(token_ids, "prompt")
+        return token_ids
+
+    def check_token_ids(self, token_ids: Iterable[int], field_name: str) -> None:
+        """ValueError naming the field unless every id is in the model's vocabulary."""
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                f"{field_name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
-        return token_ids
 
     def render_chat(
         self,
@@ -107,16 +112,8 @@ class InputProcessor:
                 f"the context length of {self.max_model_len}; lower max_tokens or shorten the "
                 "prompt"
             )
-        for field_name, token_ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias),
-        ):
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"{field_name}: token id {bad[0]} is outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(params.logit_bias, "logit_bias")
         if params.structured_output is not None and not self.has_fast_tokenizer:
             raise ValueError(
                 "structured outputs need the model's tokenizer (a fast one); this model has none"

@@ -162,12 +162,10 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize_endpoint(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
-        vocab_size = client.inputs.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise ClientError(
-                f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens"
-            )
+        try:
+            client.inputs.check_token_ids(body.tokens, "tokens")
+        except ValueError as exc:
+            raise ClientError(str(exc), param="tokens") from exc
         return {"prompt": require_tokenizer("tokens").decode(body.tokens)}
 
     def require_tokenizer(param: str):
