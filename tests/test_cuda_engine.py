@@ -3,6 +3,9 @@ checked against transformers and against the colocated worker. Skipped without a
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import torch
@@ -235,3 +238,53 @@ def test_pd_over_cuda_ipc_matches_colocated(tmp_path, tiny_checkpoints, decode_d
     ):
         assert_pd_matches_colocated(both, prefill, decode, "cuda-ipc")
         assert_handoffs_match_colocated(tmp_path, both, prefill, decode)
+        assert_early_handoffs_match_colocated(both, prefill, decode)
+
+
+def assert_early_handoffs_match_colocated(both, prefill, decode) -> None:
+    """Handoffs whose decode leg waits on the prefill's KV server before the prefill leg is
+    sent, so the prefill announces them early (blocks and an IPC event, before the first
+    token) and the decode queues its copy behind that event: the colocated worker's tokens,
+    also when the first token ends the request after the early announcement; nothing held."""
+    kv = httpx.get(f"{prefill.url}/health", timeout=10).json()["kv"]
+    early_before = metric(prefill, "tandem_kv_handoffs_early")
+    prompts = PROMPTS[16:20]
+    for index, prompt in enumerate([*prompts, prompts[0]]):
+        body = {
+            "prompt": prompt,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        if index == len(prompts):  # the first token is a stop token: the prefill ends there
+            first = httpx.post(f"{both.url}/v1/completions", json=body, timeout=60).json()
+            body["stop_token_ids"] = first["choices"][0]["token_ids"][:1]
+        colocated = httpx.post(f"{both.url}/v1/completions", json=body, timeout=60).json()
+        handoff_id = f"early-{index}"
+        decode_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "handoff_id": handoff_id,
+            "remote_host": kv["host"],
+            "remote_port": kv["port"],
+            "kv_transport": "cuda-ipc",
+        }
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                httpx.post,
+                f"{decode.url}/v1/completions",
+                json=dict(body, kv_transfer_params=decode_params),
+                timeout=60,
+            )
+            time.sleep(1.0)  # the decode leg reaches the prefill's KV server and waits there
+            prefill_params = {"do_remote_decode": True, "handoff_id": handoff_id}
+            httpx.post(
+                f"{prefill.url}/v1/completions",
+                json=dict(body, max_tokens=1, kv_transfer_params=prefill_params),
+                timeout=60,
+            ).raise_for_status()
+            tokens = answer.result().json()["choices"][0]["token_ids"]
+        assert tokens == colocated["choices"][0]["token_ids"]
+    assert metric(prefill, "tandem_kv_handoffs_early") == early_before + len(prompts) + 1
+    assert_nothing_held(prefill, decode)

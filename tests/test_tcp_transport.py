@@ -609,13 +609,15 @@ def test_an_injected_drop_comes_before_held(make_server, client):
     assert done.wait_for(1) == [("gpu", False)] and owner.held == []
 
 
-def wait_with_hold(client, server, handoff_id: str) -> tuple[threading.Thread, list]:
+def wait_with_hold(
+    client, server, handoff_id: str, early: bool = False
+) -> tuple[threading.Thread, list]:
     """Start a held wait on handoff_id in a thread, once it reached the server."""
     received: list = []
     waiter = threading.Thread(
         target=lambda: received.append(
             client.await_held_announcement(
-                "127.0.0.1", server.port, handoff_id, timeout=5.0, hold_timeout=5.0
+                "127.0.0.1", server.port, handoff_id, timeout=5.0, hold_timeout=5.0, early=early
             )
         )
     )
@@ -689,6 +691,71 @@ def test_an_abandoned_announced_hold_lets_go(make_server, client):
     retry.wait()
     retry.release()
     assert done.wait_for(2) == [("gpu", False), ("gpu", True)]
+
+
+def test_an_early_announcement_holds_and_the_announcement_follows(make_server, client):
+    """A decode that waits early gets the early message with the transfer held, then the
+    announcement proper on the same connection; its release confirms as after any hold."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    waiter, received = wait_with_hold(client, server, "h", early=True)
+    early = {"remote_request_id": "gpu", "remote_block_ids": [4, 2]}
+    assert server.announce_early("h", early, transfer_id="gpu")
+    waiter.join(5.0)
+    [(message, hold)] = received
+    assert message == early and hold.announcement_pending
+    assert owner.held == ["gpu"] and done.calls == []
+    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
+    assert hold.announcement() == {"first_token_id": 7}
+    assert not hold.announcement_pending
+    assert_release_ends_the_transfer(hold, server, client, done)
+
+
+def test_an_early_announcement_needs_an_early_waiter_and_a_hold(make_server, client):
+    """Nobody waiting, a wait that did not ask for it, a transfer the owner refuses: no early
+    announcement, and the announcement proper then carries everything as before."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    server.publish("ended", [])
+    owner.ended.add("ended")
+    assert not server.announce_early("nobody", {"n": 0}, transfer_id="gpu")
+    waiter, received = wait_with_hold(client, server, "plain")
+    assert not server.announce_early("plain", {"n": 0}, transfer_id="gpu")
+    server.announce("plain", {"n": 1})
+    waiter.join(5.0)
+    assert received == [({"n": 1}, None)]
+    waiter, received = wait_with_hold(client, server, "refused", early=True)
+    assert not server.announce_early("refused", {"n": 0}, transfer_id="ended")
+    server.announce("refused", {"n": 2})
+    waiter.join(5.0)
+    assert received == [({"n": 2}, None)]
+    assert owner.held == [] and done.calls == []
+
+
+@pytest.mark.parametrize("how", ["abandon", "cancel"])
+def test_a_decode_that_leaves_after_an_early_announcement_lets_go(make_server, client, how):
+    """The decode fails, or its request is aborted while it waits for the announcement proper:
+    the connection closes, the server lets go of the transfer, and announcing it is harmless."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    waiter, received = wait_with_hold(client, server, "h", early=True)
+    assert server.announce_early("h", {"remote_request_id": "gpu"}, transfer_id="gpu")
+    waiter.join(5.0)
+    [(_, hold)] = received
+    if how == "abandon":
+        hold.abandon()
+    else:
+        cancelled = threading.Event()
+        cancelled.set()
+        with pytest.raises(KVTransferError) as error:
+            hold.announcement(cancelled)
+        assert error.value.kind == "aborted"
+    assert done.wait_for(1) == [("gpu", False)]
+    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
+    assert server._early_waiters == {}
 
 
 def test_a_handoff_announced_while_the_decode_waits_arrives_at_once(make_server, client):

@@ -43,6 +43,16 @@ stream order, and schedules the request in that step: no thread waits for the co
 to the first decode step. A confirmation thread waits for the copy's end, records the
 transfer's time and confirms.
 
+Early handoffs (cuda-ipc, with Triton): a decode worker that waits already when the prefill's
+last layer has queued its KV on the GPU gets an early announcement then, ahead of the first
+token: the blocks, and a CUDA IPC event recorded after that layer (one of a few the prefill
+worker creates at start and reuses). Its engine thread queues the copy behind that event at
+once, so the copy's host work overlaps the end of the prefill; the announcement proper (first
+token, or why the prefill gave up) follows on the same connection, and only with it is the load
+reported. The decode stream's work waits for the copy from then on, not before (the copy waits
+for another process's GPU work). A prefill that gives up after an early announcement keeps its
+blocks until the decode worker lets go of them; a launched copy is always confirmed once done.
+
 Blocks of remote and local caches line up one to one: remote block k holds prompt tokens
 [k * block_size, (k + 1) * block_size), the same tokens as local block k of the request.
 """
@@ -69,6 +79,7 @@ from tandem.kv.transport import KVTransferError, TransferHold, TransportFault
 logger = logging.getLogger(__name__)
 
 LOAD_THREADS = 4
+READY_EVENTS = 32  # cuda-ipc prefill: IPC events for early announcements, reused in turn
 # GPU-direct confirmations get threads of their own: on the load threads they could queue behind
 # handoffs that wait for prefills, which may themselves wait for the blocks those confirmations
 # free.
@@ -92,13 +103,21 @@ class LoadSpec:
 
 @dataclass
 class ReadyCopy:
-    """A GPU-direct load whose hold is in: the engine thread queues its copy."""
+    """A GPU-direct load whose hold is in: the engine thread queues its copy. An early one
+    is reported once both its copy is queued and its announcement proper is in, by whichever
+    thread sees the second (the flags change under the connector's lock)."""
 
     spec: LoadSpec
     hold: TransferHold
     remote_cache: torch.Tensor  # the prefill worker's mapped cache
     handed_off: HandedOffToken | None
     started: float  # time.monotonic() when the transfer's time starts
+    after: torch.cuda.Event | None = None  # early: the prefill's event the copy waits for
+    announced: bool = True  # early: False until the announcement proper is in
+    launched: bool = False  # the engine thread has queued the copy (or given it up)
+    failure: str | None = None
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # the copy's, if queued
+    queued_at: float = 0.0
 
 
 @dataclass
@@ -120,6 +139,21 @@ class Lease:
 
 def transport_params(request: Request) -> dict[str, Any]:
     return request.kv_transfer_params or {}
+
+
+def announced_token(message: dict[str, Any]) -> HandedOffToken:
+    """The first token a handoff's announcement carries; KVTransferError when the prefill
+    gave up or the message is not one."""
+    if "error" in message:
+        raise KVTransferError("aborted", f"the prefill worker gave up: {message['error']}")
+    if message.get("finish_reason") not in (None, "stop"):
+        raise KVTransferError("mismatch", f"an announcement with {message['finish_reason']!r}")
+    try:
+        return HandedOffToken(
+            int(message["first_token_id"]), message.get("finish_reason"), message.get("stop_reason")
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KVTransferError("mismatch", f"a malformed announcement: {exc!r}") from exc
 
 
 class PDConnector(KVConnector):
@@ -151,15 +185,26 @@ class PDConnector(KVConnector):
         self.failed_recving: dict[str, str] = {}
         self.first_tokens: dict[str, HandedOffToken] = {}
         self.counters = dict.fromkeys(
-            ("kv_bytes_sent", "kv_blocks_sent", "kv_bytes_received", "kv_blocks_received"), 0
+            (
+                "kv_bytes_sent",
+                "kv_blocks_sent",
+                "kv_bytes_received",
+                "kv_blocks_received",
+                "kv_handoffs_early",
+            ),
+            0,
         )
         self.new_transfer_seconds: list[float] = []
         self.new_failures: dict[str, int] = {}
         self.wakeup: Callable[[], None] = lambda: None
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ipc_handle: str | None = None
+        self.ready_events: list[tuple[torch.cuda.Event, bytes]] = []  # cuda-ipc prefill: early
+        self.next_ready_event = 0
         self.remote_caches: dict[str, torch.Tensor] = {}  # cuda-ipc: engine id -> mapped cache
+        self.remote_events: dict[bytes, torch.cuda.Event] = {}  # opened prefill ready events
         self.block_copier = None  # cuda-ipc, decode side: queues the copies into kv_cache
+        self.engine_stream: torch.cuda.Stream | None = None  # decode side: the steps' stream
         self._start_transport()
 
     @property
@@ -256,9 +301,12 @@ class PDConnector(KVConnector):
             or request.status != RequestStatus.FINISHED_LENGTH
             or request.num_output_tokens != 1
         ):
+            # Held after an early announcement, the blocks stay until the decode lets go.
+            with self.lock:
+                held = lease is not None and lease.held
             self._end_lease(request_id, report=False)
             self._announce_no_transfer(request)
-            return False, None
+            return held, None
         with self.lock:
             lease.deadline = time.monotonic() + self.config.lease_timeout_s
             lease.transferable = True
@@ -269,7 +317,7 @@ class PDConnector(KVConnector):
 
     def _transfer_params(self, request: Request, block_ids: list[int]) -> dict[str, Any]:
         num_blocks = cdiv(request.num_prompt_tokens, self.block_size)
-        return {
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
@@ -279,12 +327,14 @@ class PDConnector(KVConnector):
             "remote_port": self.server.port,
             "tp_size": 1,
             "kv_transport": self.config.transport,
-            "first_token_id": request.output_token_ids[0],
             "num_prompt_tokens": request.num_prompt_tokens,
             "block_size": self.block_size,
             "kv_layout": self.kv_layout,
             "kv_ipc_handle": self.ipc_handle,
         }
+        if request.output_token_ids:  # none yet in an early announcement
+            params["first_token_id"] = request.output_token_ids[0]
+        return params
 
     def _handoff_id(self, request: Request) -> str | None:
         """Prefill side: the id a decode worker waits on for this request, if one does."""
@@ -323,10 +373,14 @@ class PDConnector(KVConnector):
             from tandem.kv.cuda_ipc import export_handle
 
             self.ipc_handle = export_handle(kv_cache)
+            with torch.cuda.device(self.device):
+                events = [torch.cuda.Event(interprocess=True) for _ in range(READY_EVENTS)]
+                self.ready_events = [(event, bytes(event.ipc_handle())) for event in events]
         if self.gpu_direct and self.config.loads_kv:
             from tandem.kv.cuda_ipc import BlockCopier
 
             self.block_copier = BlockCopier(kv_cache)
+            self.engine_stream = torch.cuda.current_stream(self.device)
 
     def save_kv_layer(self, layer_index: int, metadata: ConnectorMetadata | None) -> None:
         if metadata is None or not metadata.saves:
@@ -334,8 +388,12 @@ class PDConnector(KVConnector):
         for spec in metadata.saves:
             if layer_index == 0:
                 self._publish(spec)
+            if self.gpu_direct:  # decode reads the cache itself
+                if layer_index == self.kv_spec.num_layers - 1:
+                    self._announce_early(spec)
+                continue
             lease = self.leases.get(spec.request_id)
-            if lease is None or self.gpu_direct:  # cuda-ipc: decode reads the cache itself
+            if lease is None:
                 continue
             index = torch.tensor(spec.block_ids, device=self.device)
             source = self.kv_cache[layer_index]  # [2, num_blocks, block_size, heads, dim]
@@ -368,6 +426,29 @@ class PDConnector(KVConnector):
             self.leases[spec.request_id] = lease
         self.server.publish(spec.request_id, staging, wait_layer)
 
+    def _announce_early(self, spec: SaveSpec) -> None:
+        """cuda-ipc: the prompt's KV is all queued on the GPU. A decode worker that waits for
+        this handoff already gets the blocks now, with an event to queue its copy behind."""
+        request = self.remote_decode.get(spec.request_id)
+        handoff_id = self._handoff_id(request) if request is not None else None
+        if handoff_id is None:
+            return
+        with self.lock:
+            lease = self.leases.get(spec.request_id)
+            if lease is None:
+                return
+            lease.transferable = True  # a hold may come with the early announcement
+        event, handle = self.ready_events[self.next_ready_event]
+        self.next_ready_event = (self.next_ready_event + 1) % len(self.ready_events)
+        event.record(torch.cuda.current_stream(self.device))
+        params = dict(self._transfer_params(request, spec.block_ids), kv_ready_event=handle)
+        sent = self.server.announce_early(handoff_id, params, transfer_id=spec.request_id)
+        with self.lock:
+            if sent:
+                self.counters["kv_handoffs_early"] += 1
+            else:
+                lease.transferable = False
+
     def start_load_kv(self, metadata: ConnectorMetadata | None) -> None:
         if metadata is None:
             return
@@ -398,9 +479,14 @@ class PDConnector(KVConnector):
                         hold = self._hold_lease(spec.remote)
                     remote_cache = self._remote_cache(spec.remote)
                     ready = ReadyCopy(spec, hold, remote_cache, handed_off, started)
+                    if hold.announcement_pending:
+                        ready.after = self._remote_event(spec.remote, remote_cache.device)
+                        ready.announced = False
                     with self.lock:
                         self.ready_copies.append(ready)
                     self.wakeup()
+                    if not ready.announced:
+                        self._await_announcement(ready)
                     return
                 num_bytes = self._receive_tcp(spec)
             failure = None
@@ -448,9 +534,10 @@ class PDConnector(KVConnector):
 
     def _await_handoff(
         self, spec: LoadSpec
-    ) -> tuple[dict[str, Any], HandedOffToken, TransferHold | None]:
+    ) -> tuple[dict[str, Any], HandedOffToken | None, TransferHold | None]:
         """Wait for the prefill's announcement: its transfer params and first token, and for a
-        GPU-direct load the hold on its lease when the announcement came with it."""
+        GPU-direct load the hold on its lease when the announcement came with it. An early
+        announcement (the hold says so) has no first token yet: None."""
         remote = spec.remote
         wait = dict(
             timeout=self.config.handoff_timeout_s,
@@ -461,30 +548,43 @@ class PDConnector(KVConnector):
         if self.gpu_direct:
             hold_timeout = self.config.transfer_timeout_s
             message, hold = self.client.await_held_announcement(
-                *address, hold_timeout=hold_timeout, **wait
+                *address, hold_timeout=hold_timeout, early=self.block_copier.queues_apart, **wait
             )
+            if hold is not None and hold.announcement_pending:
+                return message, None, hold
         else:
             message = self.client.await_announcement(*address, **wait)
         try:
-            if "error" in message:
-                raise KVTransferError("aborted", f"the prefill worker gave up: {message['error']}")
-            if message.get("finish_reason") not in (None, "stop"):
-                raise KVTransferError(
-                    "mismatch", f"an announcement with {message['finish_reason']!r}"
-                )
-            try:
-                token = HandedOffToken(
-                    int(message["first_token_id"]),
-                    message.get("finish_reason"),
-                    message.get("stop_reason"),
-                )
-            except (KeyError, TypeError, ValueError) as exc:
-                raise KVTransferError("mismatch", f"a malformed announcement: {exc!r}") from exc
+            token = announced_token(message)
         except BaseException:
             if hold is not None:
                 hold.abandon()
             raise
         return message, token, hold
+
+    def _await_announcement(self, copy: ReadyCopy) -> None:
+        """Load thread, after an early announcement: wait for the announcement proper (the
+        first token), then report the load, or leave that to the engine thread if it has not
+        queued the copy yet."""
+        spec = copy.spec
+        token, failure = None, None
+        cancelled = self.cancelled_waits.get(spec.request_id)
+        try:
+            token = announced_token(copy.hold.announcement(cancelled))
+        except KVTransferError as exc:
+            failure = exc.kind
+            logger.warning("KV load of %s failed: %s", spec.request_id, exc)
+        except Exception:
+            failure = "error"
+            logger.exception("KV load of %s failed", spec.request_id)
+        with self.lock:
+            copy.handed_off = token
+            copy.failure = copy.failure or failure
+            copy.announced = True
+            launched = copy.launched
+        if launched:
+            self._finish_copy(copy)
+            self.wakeup()
 
     def _confirm_fetch(self, spec: LoadSpec, layers: list[torch.Tensor], on_layer=None) -> None:
         remote = spec.remote
@@ -553,36 +653,62 @@ class PDConnector(KVConnector):
             self.remote_caches[engine_id] = open_handle(remote["kv_ipc_handle"], self.device)
         return self.remote_caches[engine_id]
 
+    def _remote_event(self, remote: dict[str, Any], device: torch.device) -> torch.cuda.Event:
+        """The prefill's event an early copy waits for, opened on its first use."""
+        handle = remote["kv_ready_event"]
+        if handle not in self.remote_events:
+            self.remote_events[handle] = torch.cuda.Event.from_ipc_handle(device, handle)
+        return self.remote_events[handle]
+
     def _start_ready_copies(self) -> None:
         """Engine thread: queue the copies of the held GPU-direct loads on the GPU and report
-        them loaded (the kernels queued after them wait for them); a load whose request went
-        away meanwhile only frees its blocks. The prefill's lease is confirmed from a thread
-        once the copy is done."""
+        them loaded (an early one once its announcement proper is in too); a load whose request
+        went away meanwhile, or whose prefill gave up, only frees its blocks."""
         with self.lock:
             ready, self.ready_copies = self.ready_copies, []
         for copy in ready:
             spec = copy.spec
             remote_ids = spec.remote["remote_block_ids"][spec.first_block :]
             with self.lock:
-                abandoned = spec.request_id in self.abandoned_loads
-            queued_at = time.monotonic()
-            events, failure = None, None
+                skip = spec.request_id in self.abandoned_loads or copy.failure is not None
+            copy.queued_at = time.monotonic()
+            failure = None
             try:
-                if remote_ids and not abandoned:  # none: the local prefix cache holds them all
-                    events = self.block_copier.launch(
-                        copy.remote_cache, remote_ids, spec.local_block_ids
+                if remote_ids and not skip:  # none: the local prefix cache holds them all
+                    copy.events = self.block_copier.launch(
+                        copy.remote_cache, remote_ids, spec.local_block_ids, after=copy.after
                     )
             except Exception:
                 failure = "error"
                 logger.exception("KV copy of %s failed", spec.request_id)
-            num_bytes = len(remote_ids) * self.kv_spec.bytes_per_block
-            loaded = failure is None and not abandoned
-            self._report_load(spec, copy.handed_off, failure, num_bytes if loaded else None, None)
-            if failure is not None:
-                copy.hold.abandon()
-            else:
-                since_start = queued_at - copy.started if loaded else None
-                self.confirmations.submit(self._confirm_copy, copy, events, since_start)
+            with self.lock:
+                copy.failure = copy.failure or failure
+                copy.launched = True
+                announced = copy.announced
+            if announced:
+                self._finish_copy(copy)
+
+    def _finish_copy(self, copy: ReadyCopy) -> None:
+        """Report a GPU-direct load whose copy is queued (unless given up) and whose first
+        token is known. The prefill's lease is confirmed from a thread once the copy is done;
+        one with no copy on the way and a failure only lets go of it."""
+        spec = copy.spec
+        remote_ids = spec.remote["remote_block_ids"][spec.first_block :]
+        if copy.after is not None and copy.events is not None:
+            self.engine_stream.wait_event(copy.events[1])  # before the report lets work use it
+        with self.lock:
+            abandoned = spec.request_id in self.abandoned_loads
+        ended_on_first = copy.handed_off is not None and copy.handed_off.finish_reason is not None
+        loaded = copy.failure is None and not abandoned and not ended_on_first
+        num_bytes = len(remote_ids) * self.kv_spec.bytes_per_block if loaded else None
+        self._report_load(spec, copy.handed_off, copy.failure, num_bytes, None)
+        if copy.failure is not None and copy.events is None:
+            copy.hold.abandon()
+            return
+        since_start = None
+        if loaded:  # an early copy's host work overlapped the prefill: its GPU time only counts
+            since_start = 0.0 if copy.after is not None else copy.queued_at - copy.started
+        self.confirmations.submit(self._confirm_copy, copy, copy.events, since_start)
 
     def _confirm_copy(
         self,
@@ -591,11 +717,12 @@ class PDConnector(KVConnector):
         seconds: float | None,
     ) -> None:
         """Confirmation thread: once the copy is done, record the transfer's time (`seconds`
-        until the copy was queued, plus the copy on the GPU) and confirm."""
+        until the copy was queued, plus the copy on the GPU; None: not a load) and confirm."""
         if events is not None:
             queued, done = events
             done.synchronize()
-            seconds += queued.elapsed_time(done) / 1e3
+            if seconds is not None:
+                seconds += queued.elapsed_time(done) / 1e3
         if seconds is not None:
             with self.lock:
                 self.new_transfer_seconds.append(seconds)

@@ -120,18 +120,30 @@ class BlockCopier:
         self.local_cache = local_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.id_staging: dict[torch.device, InputStaging] = {}
 
+    @property
+    def queues_apart(self) -> bool:
+        """Whether a copy that waits on another process's event (`launch(after=...)`) leaves
+        the local stream free meanwhile: with the kernel, not with the fallback's peer copy."""
+        return triton is not None
+
     def launch(
         self,
         remote_cache: torch.Tensor,
         remote_block_ids: list[int],
         local_block_ids: list[int],
         use_kernel: bool = True,
+        after: torch.cuda.Event | None = None,
     ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Queue the copy without waiting for it: it starts after the work already queued on
         the local GPU's current stream (which may still use the local blocks), and that
         stream's later work waits for it. Returns two timing events on the remote GPU:
         recorded as the copy is queued, and once it is done. use_kernel=False (or no Triton)
-        gathers on the remote GPU and makes one peer copy instead."""
+        gathers on the remote GPU and makes one peer copy instead.
+
+        `after` (an event of the remote GPU, from the process that writes the remote blocks):
+        the copy also waits for it, and is timed from there; with the kernel, the local stream
+        is then left free of it, so the caller makes the work that reads the blocks wait for
+        `done` (work queued meanwhile does not wait for the remote GPU)."""
         local_cache = self.local_cache
         local_device, remote_device = local_cache.device, remote_cache.device
         local_stream = torch.cuda.current_stream(local_device)
@@ -148,12 +160,17 @@ class BlockCopier:
                 remote_ids, local_ids = staging.upload(
                     {torch.int32: (remote_block_ids, local_block_ids)}
                 )[torch.int32]
+                if after is not None:
+                    remote_stream.wait_event(after)
                 queued.record(remote_stream)
                 remote_stream.wait_event(ready)
                 copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids)
                 done.record(remote_stream)
-                local_stream.wait_event(done)
+                if after is None:
+                    local_stream.wait_event(done)
                 return queued, done
+            if after is not None:
+                remote_stream.wait_event(after)
             queued.record(remote_stream)
             remote_stream.wait_event(ready)
             planes = remote_cache.shape[0] * remote_cache.shape[1]

@@ -22,17 +22,20 @@ Wire format. One connection carries any number of fetches, one after another; ev
     server -> client  ERROR    msgpack {"kind": str, "message": str}: the fetch ended; the
                                connection stays usable
 
-    client -> server  AWAIT    msgpack {"handoff_id": str, "timeout_s": float, "hold": bool}:
-                               wait until the prefill side announces that handoff (see below);
-                               hold asks for the announced transfer held for this connection
-    server -> client  ANNOUNCE msgpack map: what the prefill side announced; layer = 1 when the
-                               transfer it names is held for this connection (as after HELD)
+    client -> server  AWAIT    msgpack {"handoff_id": str, "timeout_s": float, "hold": bool,
+                               "early": bool}: wait until the prefill side announces that
+                               handoff (see below); hold asks for the announced transfer held for
+                               this connection, early (with hold) takes an early announcement
+    server -> client  ANNOUNCE msgpack map: what the prefill side announced; layer holds flags:
+                               1 when the transfer it names is held for this connection (as after
+                               HELD), 2 when it is early (a second ANNOUNCE, flags 0, follows)
 
     FETCH ─▶ ◀─ LAYER 0 ◀─ LAYER 1 … ◀─ LAYER n-1   CONFIRM ─▶ ◀─ DONE
          └─▶ ◀─ ERROR (not_found / mismatch / aborted), at the start or between layers
     FETCH (hold) ─▶ ◀─ HELD  … the client reads the blocks itself …  CONFIRM ─▶ ◀─ DONE
     AWAIT ─▶ … ◀─ ANNOUNCE        or ◀─ ERROR (timeout) once timeout_s passed unannounced
     AWAIT (hold) ─▶ … ◀─ ANNOUNCE (layer 1)  … the client reads the blocks …  CONFIRM ─▶ ◀─ DONE
+    AWAIT (hold, early) ─▶ … ◀─ ANNOUNCE (layer 3) … ◀─ ANNOUNCE (layer 0) … CONFIRM ─▶ ◀─ DONE
 
 Handoffs let a decode worker wait for a prefill that has not finished (or not even arrived) yet:
 the prefill side calls `announce(handoff_id, message)` once it knows what the decode needs (its
@@ -51,6 +54,13 @@ gets the transfer the announcement names held as the announcement goes out (`ann
 transfer_id)`; the owner is asked as for a hold), so it copies as soon as the announcement
 arrives, with no round trip before it may use the copy. An ANNOUNCE with layer 0 holds nothing
 (nothing to hold, the owner refused, or no hold was asked for): the client holds as above.
+
+An early announcement goes out before the prefill is done (`announce_early`): as soon as the
+prefill's KV is queued on its GPU, a decode worker that waits with AWAIT (hold, early) gets what
+it needs to queue its copy behind that work, with the transfer held; the announcement proper
+(the first token, or why the prefill gave up) follows on the same connection when `announce` is
+called, and only then may the client use the copy. A waiter that did not ask for it, or one
+that is not waiting yet, gets only the announcement proper.
 
 Threads: the server runs one accept thread plus one thread per connection; `wait_layer` and the
 `on_transfer_done` and `on_transfer_held` callbacks run on the connection's thread (the callbacks
@@ -99,6 +109,8 @@ _ERROR = 5
 _AWAIT = 6
 _ANNOUNCE = 7
 _HELD = 8
+_HELD_FLAG = 1  # ANNOUNCE: the transfer it names is held for this connection
+_EARLY_FLAG = 2  # ANNOUNCE: early; the announcement proper follows on the connection
 AWAIT_POLL_S = 0.05  # how often a wait checks that its peer is still there (or cancelled)
 
 
@@ -113,6 +125,7 @@ class _AwaitRequest(msgspec.Struct):
     handoff_id: str
     timeout_s: float
     hold: bool = False  # hold the transfer the announcement names for this connection
+    early: bool = False  # take an early announcement (with hold): the announcement follows it
 
 
 class _ErrorReply(msgspec.Struct):
@@ -239,6 +252,7 @@ class _Handoff:
     answered: bool = False  # the waiter got its one answer (set by whoever sends it)
     transfer_id: str | None = None  # the transfer the announcement names, to hold if asked
     hold_wanted: bool = False  # the waiter asked for that transfer held (AWAIT hold)
+    early_wanted: bool = False  # the waiter takes an early announcement (AWAIT early)
     held: bool = False  # it is held for the waiter's connection, until CONFIRM or a drop
 
 
@@ -273,6 +287,8 @@ class TcpKVServer(TransportServer):
         self._on_transfer_held = on_transfer_held
         self._announcement_ttl = announcement_ttl
         self._handoffs: dict[str, _Handoff] = {}
+        # connections that got an early announcement and wait for the announcement proper
+        self._early_waiters: dict[str, socket.socket] = {}
         self._fault = fault
         self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout
@@ -342,6 +358,16 @@ class TcpKVServer(TransportServer):
         that thread's wake-up to the handoff."""
         now = time.monotonic()
         with self._lock:
+            early_waiter = self._early_waiters.pop(handoff_id, None)
+        if early_waiter is not None:
+            try:
+                _send_message(early_waiter, _ANNOUNCE, _encoder.encode(message))
+            except OSError as exc:  # the connection's thread sees the client gone, lets go
+                logger.debug(
+                    "KV server on port %d: announcing %r failed: %r", self.port, handoff_id, exc
+                )
+            return
+        with self._lock:
             for stale in [k for k, h in self._handoffs.items() if h.expires < now]:
                 del self._handoffs[stale]
             handoff = self._handoffs.setdefault(handoff_id, _Handoff())
@@ -363,6 +389,40 @@ class TcpKVServer(TransportServer):
                     handoff.held = False
                     handoff.answered = False
         handoff.arrived.set()
+
+    def announce_early(self, handoff_id: str, message: dict[str, Any], transfer_id: str) -> bool:
+        """Send `message` ahead of the announcement proper to the decode worker waiting on
+        handoff_id, with transfer_id held for it, if it waits already and asked for an early
+        announcement (and a hold). False when it was not sent: `announce` then does all."""
+        with self._lock:
+            handoff = self._handoffs.get(handoff_id)
+            if handoff is None or not (handoff.early_wanted and handoff.hold_wanted):
+                return False
+            if handoff.waiter is None or handoff.answered:
+                return False
+        if not self._hold(transfer_id):
+            return False
+        with self._lock:
+            waiter = None if handoff.answered else handoff.waiter
+            if waiter is not None:
+                handoff.answered = True
+                handoff.message = message
+                handoff.transfer_id = transfer_id
+                handoff.held = True
+        if waiter is None:  # it left, or was answered, meanwhile
+            self._let_go(transfer_id)
+            return False
+        try:
+            payload = _encoder.encode(message)
+            _send_message(waiter, _ANNOUNCE, payload, layer=_HELD_FLAG | _EARLY_FLAG)
+        except OSError as exc:  # the connection's thread finds it broken and lets go
+            logger.debug("KV server on port %d: early %r failed: %r", self.port, handoff_id, exc)
+            handoff.arrived.set()
+            return False
+        with self._lock:
+            self._early_waiters[handoff_id] = waiter
+        handoff.arrived.set()  # the connection's thread goes on to wait for CONFIRM
+        return True
 
     def close(self) -> None:
         """Stop accepting, forget every transfer, end every connection and join the threads."""
@@ -449,6 +509,7 @@ class TcpKVServer(TransportServer):
             handoff = self._handoffs.setdefault(handoff_id, _Handoff())
             handoff.waiter = connection  # an announcement from now on is sent by `announce`
             handoff.hold_wanted = request.hold
+            handoff.early_wanted = request.early
         deadline = time.monotonic() + request.timeout_s
         try:
             while not handoff.arrived.wait(AWAIT_POLL_S):
@@ -499,7 +560,7 @@ class TcpKVServer(TransportServer):
             if transfer is not None and not transfer.layers:  # as FETCH (hold): no layers
                 handoff.held = self._hold(handoff.transfer_id)
         payload = _encoder.encode(handoff.message)
-        _send_message(connection, _ANNOUNCE, payload, layer=int(handoff.held))
+        _send_message(connection, _ANNOUNCE, payload, layer=_HELD_FLAG if handoff.held else 0)
 
     def _serve_fetch(
         self, connection: socket.socket, request: _FetchRequest, header: bytearray
@@ -719,7 +780,7 @@ class TcpKVClient(TransportClient):
         `cancelled` is set (checked every AWAIT_POLL_S), and as fetch does otherwise."""
 
         def exchange(connection: socket.socket, deadline: float) -> dict[str, Any]:
-            message, _ = self._await(connection, deadline, handoff_id, timeout, cancelled, False)
+            message, _ = self._await(connection, deadline, handoff_id, timeout, cancelled)
             return message
 
         return self._with_connection(host, port, f"wait for {handoff_id!r}", timeout, exchange)
@@ -733,23 +794,30 @@ class TcpKVClient(TransportClient):
         timeout: float,
         hold_timeout: float,
         cancelled: threading.Event | None = None,
+        early: bool = False,
     ) -> tuple[dict[str, Any], TransferHold | None]:
         """As await_announcement, asking the server to hold the transfer the announcement names
         for this connection. Returns the announcement and the hold when the server holds it
-        (already held: no wait; `hold_timeout` bounds the rest of its life), else None."""
+        (already held: no wait; `hold_timeout` bounds the rest of its life), else None. With
+        `early`, the message may be an early announcement: the hold then says so
+        (`announcement_pending`) and `hold.announcement()` brings the announcement proper."""
 
         def exchange(
             connection: socket.socket, deadline: float
         ) -> tuple[dict[str, Any], TransferHold | None]:
-            message, held = self._await(connection, deadline, handoff_id, timeout, cancelled, True)
-            if not held:
+            message, flags = self._await(
+                connection, deadline, handoff_id, timeout, cancelled, hold=True, early=early
+            )
+            if not flags & _HELD_FLAG:
                 return message, None
             hold_deadline = time.monotonic() + hold_timeout
             peer = (host, port)
             what = f"hold of the transfer announced for {handoff_id!r}"
-            return message, _TcpTransferHold(
+            hold = _TcpTransferHold(
                 self, peer, connection, what, hold_timeout, hold_deadline, held=True
             )
+            hold.announcement_pending = bool(flags & _EARLY_FLAG)
+            return message, hold
 
         return self._with_connection(
             host,
@@ -767,20 +835,27 @@ class TcpKVClient(TransportClient):
         handoff_id: str,
         timeout: float,
         cancelled: threading.Event | None,
-        hold: bool,
-    ) -> tuple[dict[str, Any], bool]:
-        """One AWAIT: the announcement, and whether its transfer is held for this connection."""
-        request = _encoder.encode(_AwaitRequest(handoff_id, timeout, hold))
+        hold: bool = False,
+        early: bool = False,
+    ) -> tuple[dict[str, Any], int]:
+        """One AWAIT: the announcement, and its flags (_HELD_FLAG: its transfer is held for
+        this connection; _EARLY_FLAG: an early one)."""
+        request = _encoder.encode(_AwaitRequest(handoff_id, timeout, hold, early))
         connection.settimeout(max(deadline - time.monotonic(), 1e-3))
         _send_message(connection, _AWAIT, request)
         header = bytearray(_HEADER.size)
-        message_type, held, length = _recv_header_waiting(connection, header, deadline, cancelled)
+        message_type, flags, length = _recv_header_waiting(connection, header, deadline, cancelled)
         if message_type == _ERROR:
             self._raise_error_reply(connection, length, deadline)
-        if message_type != _ANNOUNCE or held not in (0, int(hold)):
-            raise _ProtocolError(f"expected ANNOUNCE, got message type {message_type} ({held})")
+        allowed = {0}
+        if hold:
+            allowed.add(_HELD_FLAG)
+            if early:
+                allowed.add(_HELD_FLAG | _EARLY_FLAG)
+        if message_type != _ANNOUNCE or flags not in allowed:
+            raise _ProtocolError(f"expected ANNOUNCE, got message type {message_type} ({flags})")
         message = _announcement_decoder.decode(_recv_control(connection, length, deadline))
-        return message, bool(held)
+        return message, flags
 
     def _request(
         self,
@@ -981,6 +1056,25 @@ class _TcpTransferHold(TransferHold):
 
         self.step(expect_held, last=False)
         self._held = True
+
+    def announcement(self, cancelled: threading.Event | None = None) -> dict[str, Any]:
+        if not self.announcement_pending:
+            raise RuntimeError("no announcement is due on this hold")
+
+        def receive(connection: socket.socket) -> None:
+            message_type, flags, length = _recv_header_waiting(
+                connection, self._header, self._deadline, cancelled
+            )
+            if message_type != _ANNOUNCE or flags != 0:
+                raise _ProtocolError(f"expected ANNOUNCE, got message type {message_type}")
+            received.append(
+                _announcement_decoder.decode(_recv_control(connection, length, self._deadline))
+            )
+
+        received: list[dict[str, Any]] = []
+        self.step(receive, last=False)
+        self.announcement_pending = False
+        return received[0]
 
     def release(self) -> None:
         def confirm(connection: socket.socket) -> None:

@@ -124,6 +124,12 @@ class TransportServer(ABC):
         hold; never waits on the network."""
 
     @abstractmethod
+    def announce_early(self, handoff_id: str, message: dict[str, Any], transfer_id: str) -> bool:
+        """Send `message` ahead of the announcement to a decode worker that waits on handoff_id
+        already and takes early announcements, with transfer_id held for it; False when it was
+        not sent (the announcement then carries everything)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Stop serving and forget every transfer."""
 
@@ -131,10 +137,18 @@ class TransportServer(ABC):
 class TransferHold(ABC):
     """A decode worker's hold on a published transfer, asked for before it reads the blocks."""
 
+    # The hold came with an early announcement; `announcement()` brings the announcement proper.
+    announcement_pending: bool = False
+
     @abstractmethod
     def wait(self) -> None:
         """Block until the server holds the transfer; raises KVTransferError when it cannot
         ("not_found", "aborted": the transfer ended first) or the exchange failed."""
+
+    @abstractmethod
+    def announcement(self, cancelled: threading.Event | None = None) -> dict[str, Any]:
+        """After an early announcement: block until the announcement proper arrives and return
+        it; raises KVTransferError ("aborted" once `cancelled` is set, "timeout", "connection")."""
 
     @abstractmethod
     def release(self) -> None:
@@ -194,9 +208,11 @@ class TransportClient(ABC):
         timeout: float,
         hold_timeout: float,
         cancelled: threading.Event | None = None,
+        early: bool = False,
     ) -> tuple[dict[str, Any], TransferHold | None]:
         """As await_announcement, with the transfer the announcement names held for the
-        caller when the server could hold it (the hold needs no wait), else None."""
+        caller when the server could hold it (the hold needs no wait), else None. With `early`
+        the message may be an early announcement (`hold.announcement_pending`)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -28,6 +28,10 @@ STAT_GAUGES = {
     "kv_bytes_received": ("tandem_kv_transfer_bytes_received", "KV bytes received"),
     "kv_blocks_sent": ("tandem_kv_transfer_blocks_sent", "KV blocks sent to decoders"),
     "kv_blocks_received": ("tandem_kv_transfer_blocks_received", "KV blocks received"),
+    "kv_handoffs_early": (
+        "tandem_kv_handoffs_early",
+        "Handoffs announced before their first token (cuda-ipc)",
+    ),
 }
 
 
