@@ -163,15 +163,20 @@ def test_pd_over_tcp_on_one_gpu_matches_colocated(tmp_path, tiny_checkpoints):
         assert_handoffs_match_colocated(tmp_path, both, prefill, decode)
 
 
+def greedy_body(prompt: list[int]) -> dict:
+    """A completions body for NEW_TOKENS greedy tokens, with their ids in the answer."""
+    return {
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
 def assert_pd_matches_colocated(both, prefill, decode, transport: str) -> None:
     for prompt in PROMPTS[:16]:
-        body = {
-            "prompt": prompt,
-            "max_tokens": NEW_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
+        body = greedy_body(prompt)
         colocated = httpx.post(f"{both.url}/v1/completions", json=body, timeout=60).json()
         first = httpx.post(
             f"{prefill.url}/v1/completions",
@@ -250,13 +255,7 @@ def assert_early_handoffs_match_colocated(both, prefill, decode) -> None:
     early_before = metric(prefill, "tandem_kv_handoffs_early")
     prompts = PROMPTS[16:20]
     for index, prompt in enumerate([*prompts, prompts[0]]):
-        body = {
-            "prompt": prompt,
-            "max_tokens": NEW_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
+        body = greedy_body(prompt)
         if index == len(prompts):  # the first token is a stop token: the prefill ends there
             first = httpx.post(f"{both.url}/v1/completions", json=body, timeout=60).json()
             body["stop_token_ids"] = first["choices"][0]["token_ids"][:1]

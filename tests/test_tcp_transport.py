@@ -701,7 +701,7 @@ def test_an_early_announcement_holds_and_the_announcement_follows(make_server, c
     server.publish("gpu", [])
     waiter, received = wait_with_hold(client, server, "h", early=True)
     early = {"remote_request_id": "gpu", "remote_block_ids": [4, 2]}
-    assert server.announce_early("h", early, transfer_id="gpu")
+    assert server.announce_early("h", "gpu", lambda: early)
     waiter.join(5.0)
     [(message, hold)] = received
     assert message == early and hold.announcement_pending
@@ -720,18 +720,24 @@ def test_an_early_announcement_needs_an_early_waiter_and_a_hold(make_server, cli
     server.publish("gpu", [])
     server.publish("ended", [])
     owner.ended.add("ended")
-    assert not server.announce_early("nobody", {"n": 0}, transfer_id="gpu")
+    made: list[str] = []  # early messages made: none may be, none going out
+
+    def early_message() -> dict:
+        made.append("early")
+        return {"n": 0}
+
+    assert not server.announce_early("nobody", "gpu", early_message)
     waiter, received = wait_with_hold(client, server, "plain")
-    assert not server.announce_early("plain", {"n": 0}, transfer_id="gpu")
+    assert not server.announce_early("plain", "gpu", early_message)
     server.announce("plain", {"n": 1})
     waiter.join(5.0)
     assert received == [({"n": 1}, None)]
     waiter, received = wait_with_hold(client, server, "refused", early=True)
-    assert not server.announce_early("refused", {"n": 0}, transfer_id="ended")
+    assert not server.announce_early("refused", "ended", early_message)
     server.announce("refused", {"n": 2})
     waiter.join(5.0)
     assert received == [({"n": 2}, None)]
-    assert owner.held == [] and done.calls == []
+    assert owner.held == [] and done.calls == [] and made == []
 
 
 @pytest.mark.parametrize("how", ["abandon", "cancel"])
@@ -742,7 +748,7 @@ def test_a_decode_that_leaves_after_an_early_announcement_lets_go(make_server, c
     server, done = make_server(on_transfer_held=owner)
     server.publish("gpu", [])
     waiter, received = wait_with_hold(client, server, "h", early=True)
-    assert server.announce_early("h", {"remote_request_id": "gpu"}, transfer_id="gpu")
+    assert server.announce_early("h", "gpu", lambda: {"remote_request_id": "gpu"})
     waiter.join(5.0)
     [(_, hold)] = received
     if how == "abandon":

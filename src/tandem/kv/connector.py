@@ -141,6 +141,16 @@ def transport_params(request: Request) -> dict[str, Any]:
     return request.kv_transfer_params or {}
 
 
+def load_failure(request_id: str, exc: Exception) -> str:
+    """The failure kind a load reports for `exc` (the transport's kind, or "error" with its
+    traceback logged: not the transport's)."""
+    if isinstance(exc, KVTransferError):
+        logger.warning("KV load of %s failed: %s", request_id, exc)
+        return exc.kind
+    logger.error("KV load of %s failed", request_id, exc_info=exc)
+    return "error"
+
+
 def announced_token(message: dict[str, Any]) -> HandedOffToken:
     """The first token a handoff's announcement carries; KVTransferError when the prefill
     gave up or the message is not one."""
@@ -438,11 +448,14 @@ class PDConnector(KVConnector):
             if lease is None:
                 return
             lease.transferable = True  # a hold may come with the early announcement
-        event, handle = self.ready_events[self.next_ready_event]
-        self.next_ready_event = (self.next_ready_event + 1) % len(self.ready_events)
-        event.record(torch.cuda.current_stream(self.device))
-        params = dict(self._transfer_params(request, spec.block_ids), kv_ready_event=handle)
-        sent = self.server.announce_early(handoff_id, params, transfer_id=spec.request_id)
+
+        def message() -> dict[str, Any]:  # made only when a decode worker waits for it
+            event, handle = self.ready_events[self.next_ready_event]
+            self.next_ready_event = (self.next_ready_event + 1) % len(self.ready_events)
+            event.record(torch.cuda.current_stream(self.device))
+            return dict(self._transfer_params(request, spec.block_ids), kv_ready_event=handle)
+
+        sent = self.server.announce_early(handoff_id, spec.request_id, message)
         with self.lock:
             if sent:
                 self.counters["kv_handoffs_early"] += 1
@@ -490,12 +503,8 @@ class PDConnector(KVConnector):
                     return
                 num_bytes = self._receive_tcp(spec)
             failure = None
-        except KVTransferError as exc:
-            failure = exc.kind
-            logger.warning("KV load of %s failed: %s", spec.request_id, exc)
-        except Exception:
-            failure = "error"
-            logger.exception("KV load of %s failed", spec.request_id)
+        except Exception as exc:
+            failure = load_failure(spec.request_id, exc)
         if failure is not None and hold is not None:
             hold.abandon()
         seconds = time.monotonic() - started if num_bytes is not None else None
@@ -571,12 +580,8 @@ class PDConnector(KVConnector):
         cancelled = self.cancelled_waits.get(spec.request_id)
         try:
             token = announced_token(copy.hold.announcement(cancelled))
-        except KVTransferError as exc:
-            failure = exc.kind
-            logger.warning("KV load of %s failed: %s", spec.request_id, exc)
-        except Exception:
-            failure = "error"
-            logger.exception("KV load of %s failed", spec.request_id)
+        except Exception as exc:
+            failure = load_failure(spec.request_id, exc)
         with self.lock:
             copy.handed_off = token
             copy.failure = copy.failure or failure

@@ -390,10 +390,13 @@ class TcpKVServer(TransportServer):
                     handoff.answered = False
         handoff.arrived.set()
 
-    def announce_early(self, handoff_id: str, message: dict[str, Any], transfer_id: str) -> bool:
-        """Send `message` ahead of the announcement proper to the decode worker waiting on
-        handoff_id, with transfer_id held for it, if it waits already and asked for an early
-        announcement (and a hold). False when it was not sent: `announce` then does all."""
+    def announce_early(
+        self, handoff_id: str, transfer_id: str, make_message: Callable[[], dict[str, Any]]
+    ) -> bool:
+        """Send make_message() ahead of the announcement proper to the decode worker waiting
+        on handoff_id, with transfer_id held for it, if it waits already and asked for an early
+        announcement (and a hold); the message is made only then. False when it was not sent:
+        `announce` then does all."""
         with self._lock:
             handoff = self._handoffs.get(handoff_id)
             if handoff is None or not (handoff.early_wanted and handoff.hold_wanted):
@@ -402,6 +405,7 @@ class TcpKVServer(TransportServer):
                 return False
         if not self._hold(transfer_id):
             return False
+        message = make_message()
         with self._lock:
             waiter = None if handoff.answered else handoff.waiter
             if waiter is not None:

@@ -124,10 +124,13 @@ class TransportServer(ABC):
         hold; never waits on the network."""
 
     @abstractmethod
-    def announce_early(self, handoff_id: str, message: dict[str, Any], transfer_id: str) -> bool:
-        """Send `message` ahead of the announcement to a decode worker that waits on handoff_id
-        already and takes early announcements, with transfer_id held for it; False when it was
-        not sent (the announcement then carries everything)."""
+    def announce_early(
+        self, handoff_id: str, transfer_id: str, make_message: Callable[[], dict[str, Any]]
+    ) -> bool:
+        """Send make_message() ahead of the announcement to a decode worker that waits on
+        handoff_id already and takes early announcements, with transfer_id held for it (the
+        message is made only then); False when it was not sent (the announcement then carries
+        everything)."""
 
     @abstractmethod
     def close(self) -> None:
