@@ -319,9 +319,9 @@ def transfer_child(method: str) -> None:
         if use_kernel:  # the kernel alone, by launch shape, with the index tensors uploaded
             from tandem.kv.cuda_ipc import copy_blocks_kernel
 
-            remote_index = torch.tensor(remote_ids, device="cuda:0")
-            local_index = torch.tensor(local_ids, device="cuda:0")
-            with torch.cuda.device("cuda:0"):
+            remote_index = torch.tensor(remote_ids, dtype=torch.int32, device="cuda:1")
+            local_index = torch.tensor(local_ids, dtype=torch.int32, device="cuda:1")
+            with torch.cuda.device("cuda:1"):
                 for chunk, warps in ((4096, 4), (8192, 8), (16384, 8), (16384, 16)):
                     result[f"chunk{chunk}_warps{warps}_s"] = cuda_time(
                         lambda c=chunk, w=warps: copy_blocks_kernel(

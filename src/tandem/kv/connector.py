@@ -493,7 +493,7 @@ class PDConnector(KVConnector):
                     remote_cache = self._remote_cache(spec.remote)
                     ready = ReadyCopy(spec, hold, remote_cache, handed_off, started)
                     if hold.announcement_pending:
-                        ready.after = self._remote_event(spec.remote, remote_cache.device)
+                        ready.after = self._remote_event(spec.remote)
                         ready.announced = False
                     with self.lock:
                         self.ready_copies.append(ready)
@@ -557,7 +557,7 @@ class PDConnector(KVConnector):
         if self.gpu_direct:
             hold_timeout = self.config.transfer_timeout_s
             message, hold = self.client.await_held_announcement(
-                *address, hold_timeout=hold_timeout, early=self.block_copier.queues_apart, **wait
+                *address, hold_timeout=hold_timeout, early=True, **wait
             )
             if hold is not None and hold.announcement_pending:
                 return message, None, hold
@@ -658,11 +658,12 @@ class PDConnector(KVConnector):
             self.remote_caches[engine_id] = open_handle(remote["kv_ipc_handle"], self.device)
         return self.remote_caches[engine_id]
 
-    def _remote_event(self, remote: dict[str, Any], device: torch.device) -> torch.cuda.Event:
-        """The prefill's event an early copy waits for, opened on its first use."""
+    def _remote_event(self, remote: dict[str, Any]) -> torch.cuda.Event:
+        """The prefill's event an early copy waits for, opened on its first use, on our GPU (a
+        stream here waiting on one opened on the prefill's GPU crashed the process)."""
         handle = remote["kv_ready_event"]
         if handle not in self.remote_events:
-            self.remote_events[handle] = torch.cuda.Event.from_ipc_handle(device, handle)
+            self.remote_events[handle] = torch.cuda.Event.from_ipc_handle(self.device, handle)
         return self.remote_events[handle]
 
     def _start_ready_copies(self) -> None:

@@ -2,15 +2,16 @@
 
 The prefill worker exports a handle to its whole KV cache once (it goes out with every prefill
 answer, a few hundred bytes). The decode worker opens it once per prefill engine, which maps the
-remote cache into its own address space (on the remote GPU's context), and then moves a request's
-blocks with one Triton kernel launched on the remote GPU, which reads the remote blocks there and
-writes them over NVLink straight into the local blocks (peer access from the remote GPU to ours):
+remote cache into its own GPU's context (with peer access to the remote GPU), and then moves a
+request's blocks with one Triton kernel launched on its own GPU, which reads the remote blocks over
+NVLink and writes them into the local blocks:
 
     plane p = layer * 2 + (key | value), block pair i:
         local[p, local_block_ids[i]]  <-  remote[p, remote_block_ids[i]]      (one program each)
 
-Without Triton the copy falls back to a gather on the remote GPU and one peer copy (slower: the
-bytes cross memory three times).
+The prefill's GPU runs none of this: its own work never waits behind another process's copy
+there. Without Triton the copy falls back to a torch gather over NVLink and a scatter, both on
+the local GPU (slower: the bytes cross memory three times).
 
 Both workers must see the same GPUs under the same indices (the same CUDA_VISIBLE_DEVICES), since a
 handle names the device by its index. The TCP control channel of the connector still carries the
@@ -35,6 +36,7 @@ except ImportError:
 
 COPY_CHUNK = 16384  # elements per program (a whole 16-token block of 8 heads x 128)
 COPY_WARPS = 8
+STORAGE_DEVICE_ARG = 6  # in the arguments of torch's rebuild_cuda_tensor
 
 if triton is not None:
 
@@ -50,8 +52,8 @@ if triton is not None:
         DTYPE: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
-        # The caches come as plain addresses: the local one belongs to another GPU, which
-        # Triton's pointer-argument check refuses, while the kernel writes it fine over NVLink.
+        # The caches come as plain addresses: the remote one is another GPU's memory mapped
+        # into ours, which Triton's pointer-argument check is not asked to judge.
         src_ptr = src_address.to(tl.pointer_type(DTYPE))
         dst_ptr = dst_address.to(tl.pointer_type(DTYPE))
         pair = tl.program_id(0)
@@ -81,8 +83,9 @@ def copy_blocks_kernel(
     chunk: int = COPY_CHUNK,
     num_warps: int = COPY_WARPS,
 ) -> None:
-    """Launch the block copy on the current stream of remote_cache's device. Caches:
-    [layers, 2, num_blocks, *block], contiguous; ids: integer tensors on remote_cache's device."""
+    """Launch the block copy on the current stream of local_cache's device. Caches:
+    [layers, 2, num_blocks, *block], contiguous, the remote one mapped on the local device (as
+    `open_handle` maps it); ids: int32 tensors on the local device."""
     num_planes = remote_cache.shape[0] * remote_cache.shape[1]
     block_elems = remote_cache[0, 0, 0].numel()
     grid = (len(local_ids), num_planes, triton.cdiv(block_elems, chunk))
@@ -101,30 +104,26 @@ def export_handle(kv_cache: torch.Tensor) -> str:
 
 
 def open_handle(handle: str, local_device: torch.device) -> torch.Tensor:
-    """Map the remote cache, after enabling peer access between its GPU and ours both ways
-    (torch enables it on the first copy between two devices)."""
-    args = pickle.loads(base64.b64decode(handle))
-    remote_device = torch.device(args[6])
-    if remote_device != local_device:
-        torch.zeros(1, device=remote_device).to(local_device)
-        torch.zeros(1, device=local_device).to(remote_device)
+    """Map the remote cache into local_device's context, so that kernels on that GPU read it
+    (CUDA enables peer access to the remote GPU as it maps it). The tensor says local_device
+    while its memory stays on the remote GPU. A mapping on the remote GPU's own context, as
+    torch's rebuild makes by default, is not usable from the local GPU: a kernel there reading
+    it faults."""
+    args = list(pickle.loads(base64.b64decode(handle)))
+    args[STORAGE_DEVICE_ARG] = torch.device(local_device).index
     return rebuild_cuda_tensor(*args)
 
 
 class BlockCopier:
-    """Queues copies of remote blocks into one local KV cache (all layers, keys and values).
-    The block ids go up through a pinned buffer kept per remote GPU: pinning fresh host memory
-    for every copy cost more host time than the rest of the launch."""
+    """Queues copies of remote blocks into one local KV cache (all layers, keys and values) on a
+    stream of the local GPU kept for them. The block ids go up through a kept pinned buffer:
+    pinning fresh host memory for every copy cost more host time than the rest of the launch."""
 
     def __init__(self, local_cache: torch.Tensor) -> None:
         self.local_cache = local_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.id_staging: dict[torch.device, InputStaging] = {}
-
-    @property
-    def queues_apart(self) -> bool:
-        """Whether a copy that waits on another process's event (`launch(after=...)`) leaves
-        the local stream free meanwhile: with the kernel, not with the fallback's peer copy."""
-        return triton is not None
+        self.stream = torch.cuda.Stream(local_cache.device)
+        self.id_stream = torch.cuda.Stream(local_cache.device)
+        self.id_staging = InputStaging(local_cache.device)
 
     def launch(
         self,
@@ -134,53 +133,43 @@ class BlockCopier:
         use_kernel: bool = True,
         after: torch.cuda.Event | None = None,
     ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Queue the copy without waiting for it: it starts after the work already queued on
-        the local GPU's current stream (which may still use the local blocks), and that
-        stream's later work waits for it. Returns two timing events on the remote GPU:
-        recorded as the copy is queued, and once it is done. use_kernel=False (or no Triton)
-        gathers on the remote GPU and makes one peer copy instead.
+        """Queue the copy without waiting for it, on the copier's stream: it starts after the
+        work already queued on the local GPU's current stream (which may still use the local
+        blocks). Returns two timing events: recorded as the copy is queued, and once it is done.
+        use_kernel=False (or no Triton) gathers and scatters with torch instead.
 
-        `after` (an event of the remote GPU, from the process that writes the remote blocks):
-        the copy also waits for it, and is timed from there; with the kernel, the local stream
-        is then left free of it, so the caller makes the work that reads the blocks wait for
-        `done` (work queued meanwhile does not wait for the remote GPU)."""
-        local_cache = self.local_cache
-        local_device, remote_device = local_cache.device, remote_cache.device
-        local_stream = torch.cuda.current_stream(local_device)
-        ready = torch.cuda.Event()
-        ready.record(local_stream)
+        Without `after`, the current stream's later work waits for the copy. `after` (an event
+        of the process that writes the remote blocks, opened on the local GPU): the copy also
+        waits for it, and is timed from there; the current stream is then left free of it, so
+        the caller makes the work that reads the blocks wait for `done` (work queued meanwhile,
+        other requests' steps, does not wait for the remote process)."""
+        local_cache, stream = self.local_cache, self.stream
+        local_stream = torch.cuda.current_stream(local_cache.device)
+        kernel = use_kernel and triton is not None
+        ids_dtype = torch.int32 if kernel else torch.int64
         queued, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(remote_device):
-            remote_stream = torch.cuda.current_stream(remote_device)
-            if use_kernel and triton is not None:
-                # The ids go up ahead of the wait below, so the next upload never waits on it.
-                staging = self.id_staging.get(remote_device)
-                if staging is None:
-                    staging = self.id_staging[remote_device] = InputStaging(remote_device)
-                remote_ids, local_ids = staging.upload(
-                    {torch.int32: (remote_block_ids, local_block_ids)}
-                )[torch.int32]
-                if after is not None:
-                    remote_stream.wait_event(after)
-                queued.record(remote_stream)
-                remote_stream.wait_event(ready)
-                copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids)
-                done.record(remote_stream)
-                if after is None:
-                    local_stream.wait_event(done)
-                return queued, done
+        with torch.cuda.device(local_cache.device):
+            # The ids go up on a stream of their own, which never waits on anything: behind an
+            # earlier copy's wait, the next upload would make the engine thread wait for it.
+            with torch.cuda.stream(self.id_stream):
+                remote_ids, local_ids = self.id_staging.upload(
+                    {ids_dtype: (remote_block_ids, local_block_ids)}
+                )[ids_dtype]
+            remote_ids.record_stream(stream)  # one storage holds both
+            stream.wait_stream(self.id_stream)
             if after is not None:
-                remote_stream.wait_event(after)
-            queued.record(remote_stream)
-            remote_stream.wait_event(ready)
-            planes = remote_cache.shape[0] * remote_cache.shape[1]
-            remote_ids = torch.tensor(remote_block_ids, device=remote_device)
-            gathered = remote_cache.view(planes, remote_cache.shape[2], -1)[:, remote_ids]
-            local_stream.wait_stream(remote_stream)
-        with torch.cuda.stream(local_stream):
-            local_ids = torch.tensor(local_block_ids, device=local_device)
-            moved = gathered.to(local_device, non_blocking=True)
-            local_cache.view(planes, local_cache.shape[2], -1)[:, local_ids] = moved
-        remote_stream.wait_stream(local_stream)
-        done.record(remote_stream)  # on the remote GPU, as `queued`, so the two time the copy
+                stream.wait_event(after)
+            queued.record(stream)
+            stream.wait_stream(local_stream)
+            with torch.cuda.stream(stream):
+                if kernel:
+                    copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids)
+                else:
+                    planes = local_cache.shape[0] * local_cache.shape[1]
+                    remote_planes = remote_cache.view(planes, remote_cache.shape[2], -1)
+                    local_planes = local_cache.view(planes, local_cache.shape[2], -1)
+                    local_planes[:, local_ids] = remote_planes[:, remote_ids]
+            done.record(stream)
+        if after is None:
+            local_stream.wait_event(done)
         return queued, done
