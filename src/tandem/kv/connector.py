@@ -43,7 +43,7 @@ stream order, and schedules the request in that step: no thread waits for the co
 to the first decode step. A confirmation thread waits for the copy's end, records the
 transfer's time and confirms.
 
-Early handoffs (cuda-ipc, with Triton): a decode worker that waits already when the prefill's
+Early handoffs (cuda-ipc): a decode worker that waits already when the prefill's
 last layer has queued its KV on the GPU gets an early announcement then, ahead of the first
 token: the blocks, and a CUDA IPC event recorded after that layer (one of a few the prefill
 worker creates at start and reuses). Its engine thread queues the copy behind that event at
