@@ -45,6 +45,11 @@ class IncrementalDetokenizer:
         return delta
 
 
+def stop_hold_back(stop: list[str]) -> int:
+    """How many characters an unfinished sequence keeps back: they may start a stop string."""
+    return max((len(s) for s in stop), default=1) - 1
+
+
 class TextState:
     """The text of one output sequence: what is decoded, what was sent, and the stop strings."""
 
@@ -53,7 +58,7 @@ class TextState:
             tokenizer, prompt_token_ids, params.skip_special_tokens
         )
         self.stop = params.stop
-        self.hold_back = max((len(s) for s in params.stop), default=1) - 1
+        self.hold_back = stop_hold_back(params.stop)
         self.text = ""
         self.num_sent = 0
 

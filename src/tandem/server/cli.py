@@ -1,5 +1,5 @@
 """`tandem worker`: one engine behind the OpenAI-compatible HTTP server, in role prefill, decode
-or both."""
+or both; or, in role pd, a prefill engine and a decode engine behind one server."""
 
 from __future__ import annotations
 
@@ -14,7 +14,19 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
+    parser.add_argument(
+        "--role",
+        default="both",
+        choices=["prefill", "decode", "both", "pd"],
+        help="pd: a prefill engine and a decode engine behind this one server, the KV handed "
+        "over between them (cuda-ipc on GPUs, else tcp)",
+    )
+    parser.add_argument(
+        "--decode-device",
+        default="auto",
+        help="role pd: the decode engine's device (auto: the GPU after --device's when there "
+        "is one, else the same device)",
+    )
     parser.add_argument(
         "--generation-config",
         default="auto",

@@ -12,7 +12,7 @@ import multiprocessing
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -64,7 +64,9 @@ class AsyncEngineClient:
 
     # -- life cycle ------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, front_end: Awaitable[tuple[Any, dict[str, Any]]] | None = None) -> None:
+        """Start the core process and load the front end (tokenizer, sampling defaults) while it
+        starts, or take `front_end`, loaded by whoever shares it."""
         input_address = f"ipc://{self._socket_dir}/in"
         output_address = f"ipc://{self._socket_dir}/out"
         self._input = self._context.socket(zmq.PUSH)
@@ -79,8 +81,10 @@ class AsyncEngineClient:
         )
         self._process.start()
         # The tokenizer loads here while the core process loads the model: both take seconds.
+        if front_end is None:
+            front_end = asyncio.to_thread(self.load_front_end)
         self.info, (self.tokenizer, self.sampling_defaults) = await asyncio.gather(
-            self._wait_ready(), asyncio.to_thread(self._load_front_end)
+            self._wait_ready(), front_end
         )
         self.inputs = InputProcessor(
             self.tokenizer, self.info.max_model_len, self.info.vocab_size, self.info.eos_token_ids
@@ -91,7 +95,7 @@ class AsyncEngineClient:
         self._output_task = asyncio.create_task(self._output_loop())
         self.healthy = True
 
-    def _load_front_end(self) -> tuple[Any, dict[str, Any]]:
+    def load_front_end(self) -> tuple[Any, dict[str, Any]]:
         """The model's tokenizer and its generation config's sampling defaults, from one look-up
         of the model (for a GGUF file that reads its metadata: seconds)."""
         from tandem.models.loader import load_tokenizer, resolve_model, sampling_defaults

@@ -1,4 +1,5 @@
-"""Start a worker: the engine core process, the HTTP server, and (with --router) heartbeats.
+"""Start a worker: the engine core process (two for role pd: prefill and decode), the HTTP
+server, and (with --router) heartbeats.
 
 SIGTERM or SIGINT stop accepting connections, let in-flight responses finish for a short grace
 period, abort what is left, stop the engine process and exit 0.
@@ -20,6 +21,7 @@ from tandem.keep_awake import KeepAwake
 from tandem.kv.config import KVTransferConfig
 from tandem.server.app import ServerSettings, build_app
 from tandem.server.engine_client import AsyncEngineClient, EngineStartError
+from tandem.server.pd_client import DisaggregatedClient, place_engines
 
 logger = logging.getLogger("tandem.worker")
 GRACEFUL_SHUTDOWN_S = 10
@@ -28,10 +30,16 @@ GRACEFUL_SHUTDOWN_S = 10
 def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
     if args.role == "both" and args.kv_transport is None:
         return None
+    return kv_config_of(args, args.role, args.kv_transport or "tcp", args.kv_host or args.host)
+
+
+def kv_config_of(
+    args: argparse.Namespace, role: str, transport: str, host: str
+) -> KVTransferConfig:
     return KVTransferConfig(
-        role=args.role,
-        transport=args.kv_transport or "tcp",
-        host=args.kv_host or args.host,
+        role=role,
+        transport=transport,
+        host=host,
         port=args.kv_port,
         lease_timeout_s=args.kv_lease_timeout,
         transfer_timeout_s=args.kv_transfer_timeout,
@@ -40,12 +48,30 @@ def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
     )
 
 
+def disaggregated_client(args: argparse.Namespace, config: EngineConfig) -> DisaggregatedClient:
+    """Role pd: a prefill engine and a decode engine behind this one server."""
+    prefill_config, decode_config = place_engines(config, args.decode_device)
+    on_gpus = prefill_config.device.startswith("cuda") and decode_config.device.startswith("cuda")
+    transport = args.kv_transport or ("cuda-ipc" if on_gpus else "tcp")
+    if transport == "cuda-ipc" and not on_gpus:
+        raise SystemExit("tandem worker: --kv-transport cuda-ipc needs both engines on GPUs")
+    host = args.kv_host or "127.0.0.1"
+    return DisaggregatedClient(
+        AsyncEngineClient(prefill_config, kv_config_of(args, "prefill", transport, host)),
+        AsyncEngineClient(decode_config, kv_config_of(args, "decode", transport, host)),
+    )
+
+
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    kv_config = kv_config_from_args(args)
-    client = AsyncEngineClient(config, kv_config)
+    if args.role == "pd":
+        kv_config = None  # the two engines' transfers stay inside this server
+        client = disaggregated_client(args, config)
+    else:
+        kv_config = kv_config_from_args(args)
+        client = AsyncEngineClient(config, kv_config)
     settings = ServerSettings(
         served_model_name=args.served_model_name or config.model,
         role=args.role,
@@ -78,7 +104,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             heartbeat = HeartbeatSender(
                 router_url=args.router,
                 worker_url=args.advertise_url or f"http://{args.host}:{args.port}",
-                role=args.role,
+                role="both" if args.role == "pd" else args.role,  # to a router: whole requests
                 model=settings.served_model_name,
                 token=args.cluster_token,
             )

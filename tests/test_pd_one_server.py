@@ -1,0 +1,155 @@
+"""Role pd: a prefill engine and a decode engine behind one server (`tandem worker --role pd`),
+on the default model (CPU, KV over TCP between the two engines), give exactly the answers of a
+`both` worker, hand every eligible request over through the KV transport, and leave no block
+held behind on any path (first token ending the request, stop strings, client disconnects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from pd_fixtures import (
+    assert_nothing_held,
+    metric,
+    post,
+    prompt_set,
+    running_workers,
+    wait_until,
+    with_defaults,
+)
+from worker_fixtures import DEFAULT_MODEL
+
+PROMPTS = prompt_set(1000, 300, 20000)[::2]
+SAMPLING = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 1234}}
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = "Once upon a time, there was a little"  # greedy: " girl named Emma who loved to"
+COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
+HANDOFFS = "tandem_kv_transfer_seconds_count"  # one per load the decode engine made
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> Iterator[dict]:
+    specs = {
+        "pd": ("--role", "pd", "--num-kv-blocks", "256"),
+        "both": ("--role", "both", "--num-kv-blocks", "256"),
+    }
+    with running_workers(tmp_path_factory.mktemp("pd-one"), specs, DEFAULT_MODEL) as workers:
+        yield workers
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=120) as http:
+        yield http
+
+
+def both_ways(client, servers, path: str, body: dict):
+    """The same request on the pd server and on the `both` worker."""
+    body = with_defaults(body)
+    return post(client, servers["pd"].url + path, body), post(
+        client, servers["both"].url + path, body
+    )
+
+
+def test_health_names_the_role_and_no_kv_endpoint(client, servers):
+    health = client.get(servers["pd"].url + "/health").json()
+    assert health == {"status": "ok", "role": "pd", "kv": None}
+
+
+def test_prompts_are_handed_over_and_match_the_both_worker(client, servers):
+    before = metric(servers["pd"], HANDOFFS)
+    variants = [(sampling, stream) for stream in (False, True) for sampling in SAMPLING]
+    for index, prompt in enumerate(PROMPTS):
+        sampling, stream = variants[index % len(variants)]
+        body = {"prompt": prompt, "max_tokens": 6, "stream": stream, **SAMPLING[sampling]}
+        pd, both = both_ways(client, servers, COMPLETIONS, body)
+        assert pd == both, f"prompt of {len(prompt)} tokens, {sampling}, stream={stream}"
+        assert len(pd.token_ids) == pd.completion_tokens == 6
+    assert metric(servers["pd"], HANDOFFS) - before == len(PROMPTS)
+    assert metric(servers["pd"], "tandem_kv_transfer_failures_total") == 0
+    assert_nothing_held(servers["pd"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_and_text_prompts_match_the_both_worker(client, servers, stream: bool):
+    body = {"messages": CHAT, "max_tokens": 10, "temperature": 0, "stream": stream}
+    pd, both = both_ways(client, servers, CHAT_COMPLETIONS, body)
+    assert pd == both and pd.text == "The capital of France is Paris."
+    body = {"prompt": STORY, "max_tokens": 6, "temperature": 0, "stream": stream}
+    pd, both = both_ways(client, servers, COMPLETIONS, body)
+    assert pd == both and pd.text == " girl named Emma who loved to"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "stop",
+    [
+        [" girl"],  # the first token completes it: the request ends at the prefill engine
+        [" girl named"],  # completed by the second token: the first token's text is held back
+        [" girl named Bob"],  # held back, then let out when it cannot match any more
+        [" who"],
+    ],
+)
+def test_stop_strings_match_the_both_worker(client, servers, stop: list[str], stream: bool):
+    body = {"prompt": STORY, "max_tokens": 6, "temperature": 0, "stop": stop, "stream": stream}
+    pd, both = both_ways(client, servers, COMPLETIONS, body)
+    assert pd == both
+    assert_nothing_held(servers["pd"])
+
+
+def test_a_stop_token_first_ends_the_request(client, servers):
+    first = both_ways(client, servers, COMPLETIONS, {"prompt": STORY, "max_tokens": 1})[1]
+    body = {"prompt": STORY, "max_tokens": 6, "temperature": 0, "stream": True}
+    pd, both = both_ways(client, servers, COMPLETIONS, dict(body, stop_token_ids=first.token_ids))
+    assert pd == both and pd.finish_reason == "stop" and pd.token_ids == first.token_ids
+    assert_nothing_held(servers["pd"])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"max_tokens": 1}, {"n": 2, "max_tokens": 4}, {"prompt_logprobs": 2, "max_tokens": 3}],
+    ids=["one-token", "n=2", "prompt-logprobs"],
+)
+def test_requests_for_one_engine_match_the_both_worker(client, servers, extra: dict):
+    body = {"prompt": STORY, "temperature": 0, **extra}
+    answers = [
+        client.post(servers[name].url + COMPLETIONS, json=body).json() for name in ("pd", "both")
+    ]
+    for answer in answers:
+        del answer["id"], answer["created"]
+    assert answers[0] == answers[1]
+
+
+def test_structured_output_matches_the_both_worker(client, servers):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
+    body = {"messages": CHAT, "max_tokens": 32, "temperature": 0, "stream": True}
+    pd, both = both_ways(
+        client, servers, CHAT_COMPLETIONS, dict(body, response_format=response_format)
+    )
+    assert pd == both and pd.finish_reason == "stop"
+
+
+def test_kv_transfer_params_from_a_client_are_refused(client, servers):
+    body = {"prompt": STORY, "max_tokens": 4, "kv_transfer_params": {"do_remote_decode": True}}
+    answer = client.post(servers["pd"].url + COMPLETIONS, json=body)
+    assert answer.status_code == 400 and "kv_transfer_params" in answer.text
+
+
+def test_a_client_leaving_mid_stream_leaves_nothing_held(client, servers):
+    pd = servers["pd"]
+    body = {"prompt": PROMPTS[-1], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with client.stream("POST", pd.url + COMPLETIONS, json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        wait_until(lambda: metric(pd, "tandem_kv_cache_blocks_used") > 0, 10, "nothing running")
+    assert_nothing_held(pd)
+    assert post(client, pd.url + COMPLETIONS, with_defaults(dict(body, max_tokens=2))).token_ids
