@@ -17,7 +17,8 @@ Sections (each prints its table; all results go into one JSON file):
              third router (the colocated system as served, a router in front); TTFT, time to
              second token, TPOT; greedy output of PD identical to colocated; and the legs
              timed direct from the client (no router), to split PD's extra time between the
-             router, the prefill worker's KV bookkeeping and the decode leg
+             router, the prefill worker's KV bookkeeping and the decode leg; and one server
+             over a prefill engine (GPU 0) and a decode engine (GPU 1), `--role pd`
 
 Random weights in real shapes (load_format dummy); timings after warm-up.
 """
@@ -487,6 +488,12 @@ SERVER_TIMES = {
         }
         for path in ("pd", "pd_in_sequence")
     },
+    "pd_server": {
+        "pd_server": {
+            WORKER_TTFT: "worker_ttft_ms",
+            "tandem_kv_transfer_seconds_sum": "kv_transfer_ms",
+        }
+    },
 }
 
 
@@ -550,6 +557,11 @@ def latency(limits: dict, log_dir: Path) -> dict:
                                   "--role", "prefill", *ipc], log_dir / "prefill.log"),
         "decode": start_process(["worker", *common, "--port", "8303", "--device", "cuda:1",
                                  "--role", "decode", *ipc], log_dir / "decode.log"),
+        # one server over a prefill engine on GPU 0 and a decode engine on GPU 1
+        "pd_server": start_process(["worker", *common, "--port", "8306", "--device", "cuda:0",
+                                    "--role", "pd", "--decode-device", "cuda:1",
+                                    "--gpu-memory-utilization", "0.1"],
+                                   log_dir / "pd-server.log"),
     }  # fmt: skip
     decode_url = "http://127.0.0.1:8303"
     urls = {
@@ -557,11 +569,13 @@ def latency(limits: dict, log_dir: Path) -> dict:
         "pd": "http://127.0.0.1:8300",
         "pd_in_sequence": "http://127.0.0.1:8304",
         "both_routed": "http://127.0.0.1:8305",
+        "pd_server": "http://127.0.0.1:8306",
         "prefill": "http://127.0.0.1:8302",
         "decode": decode_url,
     }
     try:
-        for name, port in (("both", 8301), ("prefill", 8302), ("decode", 8303)):
+        workers = (("both", 8301), ("prefill", 8302), ("decode", 8303), ("pd_server", 8306))
+        for name, port in workers:
             wait_healthy(f"http://127.0.0.1:{port}", processes[name])
         # The routers keep their loop awake between requests, as `tandem serve` starts them
         # in front of CUDA workers (whose loops do so by default).
@@ -584,11 +598,12 @@ def latency(limits: dict, log_dir: Path) -> dict:
         results = {}
         with httpx.Client(timeout=300) as client:
             for num_input in (128, 1024, 8192):
-                paths = ("both", "pd", "pd_in_sequence", "both_routed")
+                paths = ("both", "pd", "pd_in_sequence", "both_routed", "pd_server")
                 runs: dict[str, list[dict]] = {name: [] for name in (*paths, "legs")}
                 for repeat in range(2 + LATENCY_REPEATS):
-                    # `both` and the handoff path share a prompt, vLLM's flow and the routed
-                    # `both` another: no path finds another's prompt in its workers' caches.
+                    # `both`, the handoff path and the pd server share a prompt, vLLM's flow and
+                    # the routed `both` another: no path finds another's prompt in its workers'
+                    # caches.
                     prompts = [
                         torch.randint(0, 151000, (num_input,), generator=generator).tolist()
                         for _ in range(2)
@@ -630,10 +645,21 @@ def latency(limits: dict, log_dir: Path) -> dict:
                 row["ttst_pd_minus_both_routed_ms"] = (
                     row["pd"]["ttst_ms"] - row["both_routed"]["ttst_ms"]
                 )
+                row["ttft_ratio_pd_server"] = row["pd_server"]["ttft_ms"] / row["both"]["ttft_ms"]
+                server_ratios = [
+                    pd["ttft_ms"] / both["ttft_ms"]
+                    for pd, both in zip(runs["pd_server"], runs["both"], strict=True)
+                ]
+                row["ttft_ratio_pd_server_median_of_pairs"] = statistics.median(server_ratios)
+                row["ttst_pd_server_minus_both_ms"] = (
+                    row["pd_server"]["ttst_ms"] - row["both"]["ttst_ms"]
+                )
                 prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
                 colocated = greedy_token_ids(client, urls["both"], prompt, 64)
                 disaggregated = greedy_token_ids(client, urls["pd"], prompt, 64)
                 row["pd_identical_to_both"] = colocated == disaggregated
+                one_server = greedy_token_ids(client, urls["pd_server"], prompt, 64)
+                row["pd_server_identical_to_both"] = colocated == one_server
                 results[str(num_input)] = row
             # streamed PD requests that went through the handoff flow
             handoffs = "tandem_router_handoffs_total"

@@ -287,3 +287,36 @@ def assert_early_handoffs_match_colocated(both, prefill, decode) -> None:
         assert tokens == colocated["choices"][0]["token_ids"]
     assert metric(prefill, "tandem_kv_handoffs_early") == early_before + len(prompts) + 1
     assert_nothing_held(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    "decode_device",
+    [
+        "cuda:0",
+        pytest.param(
+            "cuda:1",
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+        ),
+    ],
+)
+def test_pd_server_matches_colocated(tmp_path, tiny_checkpoints, decode_device):
+    """Role pd: the prefill engine on GPU 0, the decode engine on GPU 0 (each with half the
+    memory) or GPU 1, the KV over cuda-ipc inside one server: every request handed over, the
+    colocated worker's greedy tokens (collected and streamed), nothing held afterwards."""
+    model = str(tiny_checkpoints["qwen2-bias"])
+    common = ("--dtype", "float32", "--num-kv-blocks", "2048", "--device", "cuda:0")
+    prompts = PROMPTS[:16]
+    with (
+        running_worker(tmp_path, *common, model=model) as both,
+        running_worker(
+            tmp_path, *common, "--role", "pd", "--decode-device", decode_device, model=model
+        ) as pd_server,
+        httpx.Client(timeout=60) as client,
+    ):
+        for index, prompt in enumerate(prompts):
+            body = with_defaults(dict(greedy_body(prompt), stream=index % 2 == 0))
+            completion = post(client, f"{pd_server.url}/v1/completions", body)
+            assert completion == run_direct(client, both.url, "/v1/completions", body)
+        assert metric(pd_server, "tandem_kv_transfer_seconds_count") == len(prompts)
+        assert metric(pd_server, "tandem_kv_transfer_failures_total") == 0
+        assert_nothing_held(pd_server)
