@@ -20,6 +20,8 @@ from pd_fixtures import (
     wait_until,
     with_defaults,
 )
+from tandem.engine.config import EngineConfig
+from tandem.server.pd_client import place_engines
 from worker_fixtures import DEFAULT_MODEL
 
 PROMPTS = prompt_set(1000, 300, 20000)[::2]
@@ -153,3 +155,17 @@ def test_a_client_leaving_mid_stream_leaves_nothing_held(client, servers):
         wait_until(lambda: metric(pd, "tandem_kv_cache_blocks_used") > 0, 10, "nothing running")
     assert_nothing_held(pd)
     assert post(client, pd.url + COMPLETIONS, with_defaults(dict(body, max_tokens=2))).token_ids
+
+
+@pytest.mark.parametrize(
+    ("device", "decode_device", "expected"),
+    [
+        ("cpu", "auto", ("cpu", "cpu", 0.9)),
+        ("cuda:0", "cuda:1", ("cuda:0", "cuda:1", 0.9)),
+        ("cuda", "cuda:0", ("cuda:0", "cuda:0", 0.45)),  # one GPU: half the memory each
+    ],
+)
+def test_engine_placement(device: str, decode_device: str, expected: tuple):
+    prefill, decode = place_engines(EngineConfig(device=device), decode_device)
+    assert prefill.gpu_memory_utilization == decode.gpu_memory_utilization
+    assert (prefill.device, decode.device, prefill.gpu_memory_utilization) == expected

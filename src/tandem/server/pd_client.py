@@ -54,13 +54,15 @@ def place_engines(config: EngineConfig, decode_device: str) -> tuple[EngineConfi
     GPU after the prefill's when there is one, else the prefill's device; two engines on one GPU
     take half of `gpu_memory_utilization` each."""
     prefill_device = config.device
-    if prefill_device in ("auto", "cuda"):
+    if prefill_device == "auto":
         prefill_device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    elif prefill_device == "cuda":
+        prefill_device = "cuda:0"
     if decode_device == "auto":
         decode_device = prefill_device
-        if prefill_device.startswith("cuda"):
+        if prefill_device.startswith("cuda") and (count := torch.cuda.device_count()):
             index = int(prefill_device.partition(":")[2] or 0)
-            decode_device = f"cuda:{(index + 1) % torch.cuda.device_count()}"
+            decode_device = f"cuda:{(index + 1) % count}"
     elif decode_device == "cuda":
         decode_device = "cuda:0"
     utilization = config.gpu_memory_utilization
@@ -175,8 +177,8 @@ class DisaggregatedClient:
         }
         # The decode leg goes in first: its engine waits on the prefill's KV server before the
         # prefill starts, so it gets the early announcement (cuda-ipc) and copies as the prefill
-        # ends. With the prefill leg first, the server's TTFT at 128 tokens read 0.45 ms higher
-        # in an A/B on 2 x H200 (docs/benchmarks.md).
+        # ends. (In two A/Bs on 2 x H200 the prefill leg first read a higher TTFT at 128 tokens
+        # and a lower one at 1024: neither order ahead everywhere; docs/benchmarks.md.)
         decode_leg = self.decode.generate(request_id, prompt_token_ids, params, waiting)
         decode_first = await self._start(decode_leg)
         prefill_leg = self.prefill.generate(
