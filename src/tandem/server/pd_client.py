@@ -30,24 +30,6 @@ from tandem.engine.processor import SequenceDelta
 from tandem.engine.sampling_params import SamplingParams
 from tandem.server.engine_client import AsyncEngineClient
 
-# Engine stats that add up over the two engines (gauges, cumulative counts); the per-report
-# lists (transfer times, failures) pass through as each engine reports them.
-SUMMED_STATS = (
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "requests_running",
-    "requests_waiting",
-    "prefix_cache_queries",
-    "prefix_cache_hits",
-    "num_preemptions",
-    "kv_blocks_leased",
-    "kv_bytes_sent",
-    "kv_bytes_received",
-    "kv_blocks_sent",
-    "kv_blocks_received",
-    "kv_handoffs_early",
-)
-
 
 def place_engines(config: EngineConfig, decode_device: str) -> tuple[EngineConfig, EngineConfig]:
     """The prefill engine's and the decode engine's settings. `decode_device` "auto" means the
@@ -116,12 +98,14 @@ class DisaggregatedClient:
         self._latest_stats[engine] = stats
         if self.stats_listener is None:
             return
-        merged: dict[str, Any] = {
+        # The counts (gauges, cumulative counters) add up over the two engines' latest reports;
+        # the per-report lists (transfer times, failures) pass through as this engine sent them.
+        merged = {
             key: sum(latest.get(key, 0) for latest in self._latest_stats.values())
-            for key in SUMMED_STATS
+            if isinstance(value, int | float)
+            else value
+            for key, value in stats.items()
         }
-        merged["kv_transfer_seconds"] = stats.get("kv_transfer_seconds", ())
-        merged["kv_transfer_failures"] = stats.get("kv_transfer_failures", {})
         self.stats_listener(merged)
 
     # -- life cycle ------------------------------------------------------------------------------
