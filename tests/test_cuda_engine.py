@@ -19,6 +19,12 @@ pytestmark = pytest.mark.cuda
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+DECODE_DEVICES = [  # beside the prefill on GPU 0, or on a GPU of its own
+    "cuda:0",
+    pytest.param(
+        "cuda:1", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+    ),
+]
 
 
 def make_prompts(count: int = 32) -> list[list[int]]:
@@ -214,16 +220,7 @@ def assert_handoffs_match_colocated(tmp_path, both, prefill, decode) -> None:
     assert_nothing_held(prefill, decode)
 
 
-@pytest.mark.parametrize(
-    "decode_device",
-    [
-        "cuda:0",
-        pytest.param(
-            "cuda:1",
-            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("decode_device", DECODE_DEVICES)
 def test_pd_over_cuda_ipc_matches_colocated(tmp_path, tiny_checkpoints, decode_device):
     """Prefill on GPU 0, decode on GPU 0 or 1, KV copied out of the mapped prefill cache under
     a hold on its lease (asked for in sequence, carried by the announcement in a handoff): the
@@ -289,16 +286,7 @@ def assert_early_handoffs_match_colocated(both, prefill, decode) -> None:
     assert_nothing_held(prefill, decode)
 
 
-@pytest.mark.parametrize(
-    "decode_device",
-    [
-        "cuda:0",
-        pytest.param(
-            "cuda:1",
-            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("decode_device", DECODE_DEVICES)
 def test_pd_server_matches_colocated(tmp_path, tiny_checkpoints, decode_device):
     """Role pd: the prefill engine on GPU 0, the decode engine on GPU 0 (each with half the
     memory) or GPU 1, the KV over cuda-ipc inside one server: every request handed over, the
