@@ -1,0 +1,109 @@
+"""Call tracing for `benchmarks/trace_latency.py`: on a path of PYTHONPATH, every Python process
+started with TANDEM_CALL_TRACE_DIR set (a worker's API process and its engine core processes)
+records when chosen functions are entered and left, and writes the record to that directory at
+exit. The times are time.perf_counter_ns(), one clock for every process of a host.
+
+Generators and coroutines record only their creation ("call"): their work runs later.
+"""
+
+import os
+
+# (module, qualified name, only the call)
+TRACED = [
+    ("tandem.server.app", "start_all", True),
+    ("tandem.server.app", "sse", True),
+    ("tandem.server.engine_client", "AsyncEngineClient.generate", True),
+    ("tandem.server.pd_client", "DisaggregatedClient.generate", True),
+    ("starlette.responses", "StreamingResponse.__call__", True),
+    ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle.send", True),
+    ("zmq", "Socket.send_pyobj", False),
+    ("tandem.engine.processor", "InputProcessor.make_requests", False),
+    ("tandem.engine.processor", "OutputProcessor.add", False),
+    ("tandem.engine.processor", "OutputProcessor.process", False),
+    ("tandem.engine.core_process", "handle_message", False),
+    ("tandem.engine.core", "EngineCore.step_batch", False),
+    ("tandem.engine.scheduler", "Scheduler.schedule", False),
+    ("tandem.engine.scheduler", "Scheduler.update_from_output", False),
+    ("tandem.engine.runner", "ModelRunner.execute", False),
+    ("tandem.engine.runner", "ModelRunner._forward", False),
+    ("tandem.engine.sampler", "Sampler.__call__", False),
+    ("tandem.kv.connector", "PDConnector._publish", False),
+    ("tandem.kv.connector", "PDConnector._announce_early", False),
+    ("tandem.kv.connector", "PDConnector.request_finished", False),
+    ("tandem.kv.connector", "PDConnector._load", False),
+    ("tandem.kv.connector", "PDConnector._await_handoff", False),
+    ("tandem.kv.connector", "PDConnector._await_announcement", False),
+    ("tandem.kv.connector", "PDConnector._start_ready_copies", False),
+    ("tandem.kv.connector", "PDConnector._finish_copy", False),
+    ("tandem.kv.tcp_transport", "TcpKVServer.announce", False),
+    ("tandem.kv.tcp_transport", "TcpKVServer._serve_await", False),
+    ("tandem.kv.tcp_transport", "TcpKVClient.await_held_announcement", False),
+    ("tandem.kv.tcp_transport", "_TcpTransferHold.announcement", False),
+    ("tandem.kv.cuda_ipc", "BlockCopier.launch", False),
+]
+
+
+def _install(directory: str) -> None:
+    import atexit
+    import functools
+    import importlib
+    import inspect
+    import json
+    import multiprocessing
+    import sys
+    import threading
+    import time
+
+    events: list[tuple[int, str, str, str]] = []
+    clock = time.perf_counter_ns
+
+    def traced(label: str, function, call_only: bool):
+        if call_only:
+
+            @functools.wraps(function)
+            def record_call(*args, **kwargs):
+                events.append((clock(), threading.current_thread().name, label, "call"))
+                return function(*args, **kwargs)
+
+            return record_call
+
+        @functools.wraps(function)
+        def record_span(*args, **kwargs):
+            thread = threading.current_thread().name
+            events.append((clock(), thread, label, "in"))
+            try:
+                return function(*args, **kwargs)
+            finally:
+                events.append((clock(), thread, label, "out"))
+
+        return record_span
+
+    for module_name, qualified_name, call_only in TRACED:
+        try:
+            owner = importlib.import_module(module_name)
+            *path, name = qualified_name.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            wrapped = traced(qualified_name, getattr(owner, name), call_only)
+            if isinstance(inspect.getattr_static(owner, name), staticmethod):
+                wrapped = staticmethod(wrapped)
+            setattr(owner, name, wrapped)
+        except (ImportError, AttributeError) as exc:
+            print(f"call trace: {module_name}.{qualified_name} not traced: {exc}", file=sys.stderr)
+
+    def write() -> None:
+        record = {
+            "pid": os.getpid(),
+            "parent": os.getppid(),
+            "process": multiprocessing.current_process().name,
+            "argv": sys.argv,
+            "events": events,
+        }
+        with open(os.path.join(directory, f"trace-{os.getpid()}.json"), "w") as file:
+            json.dump(record, file)
+
+    atexit.register(write)
+
+
+if directory := os.environ.get("TANDEM_CALL_TRACE_DIR"):
+    _install(directory)
