@@ -538,17 +538,19 @@ def direct_legs(client, urls: dict[str, str], prompt: list[int]) -> dict:
     }
 
 
+# Every worker of the latency section (benchmarks/trace_latency.py starts its own with these).
+LATENCY_WORKER_ARGS = [
+    "--model", "qwen3-0.6b", "--load-format", "dummy", "--host", "127.0.0.1",
+    "--gpu-memory-utilization", "0.4", "--max-model-len", "16384",
+    "--max-num-batched-tokens", "8192", "--max-num-seqs", "64",
+]  # fmt: skip
 LATENCY_REPEATS = 30  # measured requests per input length and path, after 2 warm-ups
 
 
 def latency(limits: dict, log_dir: Path) -> dict:
     import httpx
 
-    common = [
-        "--model", "qwen3-0.6b", "--load-format", "dummy", "--host", "127.0.0.1",
-        "--gpu-memory-utilization", "0.4", "--max-model-len", "16384",
-        "--max-num-batched-tokens", "8192", "--max-num-seqs", "64",
-    ]  # fmt: skip
+    common = LATENCY_WORKER_ARGS
     ipc = ["--kv-transport", "cuda-ipc"]
     processes = {
         "both": start_process(["worker", *common, "--port", "8301", "--device", "cuda:0"],

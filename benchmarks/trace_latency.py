@@ -27,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from gpu_suite import stream_once, wait_healthy
+from gpu_suite import LATENCY_WORKER_ARGS, stream_once, wait_healthy
 
 TRACER = Path(__file__).resolve().parent / "call_trace"
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,13 +35,10 @@ PORTS = {"both": 8301, "pd_server": 8306}
 
 
 def start_workers(args: argparse.Namespace, trace_dir: Path) -> dict[str, subprocess.Popen]:
-    common = [
-        "--model", args.model, "--load-format", args.load_format, "--host", "127.0.0.1",
-        "--max-model-len", "16384", "--max-num-batched-tokens", "8192", "--max-num-seqs", "64",
-    ]  # fmt: skip
+    # the latency section's settings; a later --model or --load-format takes the place of its own
+    common = [*LATENCY_WORKER_ARGS, "--model", args.model, "--load-format", args.load_format]
     commands = {
-        "both": ["--port", str(PORTS["both"]), "--device", args.device,
-                 "--gpu-memory-utilization", "0.4"],
+        "both": ["--port", str(PORTS["both"]), "--device", args.device],
         "pd_server": ["--port", str(PORTS["pd_server"]), "--device", args.device, "--role", "pd",
                       "--decode-device", args.decode_device, "--gpu-memory-utilization", "0.1"],
     }  # fmt: skip
