@@ -1,7 +1,9 @@
-"""Piecewise CUDA graphs for prompts, A/B on one GPU: the same engine with them off
-(`piecewise_cuda_graph_max_tokens=0`, prompts in the eager forward pass) and on (the default),
-one after the other; one prompt of each length at a time, one token out (a prefill step and
-its sampling), median of 15 after 3 warm-ups. Also prints the sizes each engine captured.
+"""Piecewise and whole-pass CUDA graphs for prompts, A/B/C on one GPU: the same engine with
+graphs off (`piecewise_cuda_graph_max_tokens=0`, prompts in the eager forward pass), with the
+piecewise graphs only (its whole-pass graphs dropped after start-up: attention eager between
+the pieces) and as it starts (a prompt alone replays one graph for its whole pass), one after
+the other; one prompt of each length at a time, one token out (a prefill step and its
+sampling), median of 15 after 3 warm-ups. Also prints the sizes each engine captured.
 
     python benchmarks/piecewise_graphs.py [--models qwen3-0.6b llama-3.1-8b]
                                           [--lengths 16 128 256 512 1024 2048]
@@ -21,7 +23,8 @@ from tandem import LLM, SamplingParams
 from tandem.engine.config import EngineConfig
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-MODES = {"eager": 0, "piecewise": EngineConfig.piecewise_cuda_graph_max_tokens}
+GRAPH_CAP = EngineConfig.piecewise_cuda_graph_max_tokens
+MODES = {"eager": 0, "piecewise": GRAPH_CAP, "whole": GRAPH_CAP}  # mode -> graphs' token cap
 
 
 def prompt_times(llm: LLM, length: int, rng: random.Random) -> float:
@@ -57,16 +60,20 @@ def main() -> None:
                 piecewise_cuda_graph_max_tokens=max_tokens,
             )
             graphs = llm.core.runner.piecewise_graphs
+            if mode == "piecewise":
+                graphs.whole_graphs.clear()
             print(f"{model} {mode}: sizes {graphs.sizes if graphs else []}", flush=True)
             medians[mode] = {n: prompt_times(llm, n, rng) for n in args.lengths}
             del llm, graphs
             gc.collect()
             torch.cuda.empty_cache()
         print(f"\n{model}, {torch.cuda.get_device_name()}: one-token generation, median ms")
-        print(f"{'tokens':>7} {'eager':>8} {'piecewise':>10} {'eager / piecewise':>18}")
+        print(
+            f"{'tokens':>7} {'eager':>8} {'piecewise':>10} {'whole':>8} {'piecewise / whole':>18}"
+        )
         for n in args.lengths:
-            eager, piecewise = medians["eager"][n], medians["piecewise"][n]
-            print(f"{n:7d} {eager:8.2f} {piecewise:10.2f} {eager / piecewise:18.2f}")
+            eager, piecewise, whole = (medians[mode][n] for mode in MODES)
+            print(f"{n:7d} {eager:8.2f} {piecewise:10.2f} {whole:8.2f} {piecewise / whole:18.2f}")
         print()
 
 

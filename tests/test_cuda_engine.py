@@ -105,6 +105,39 @@ def test_piecewise_graphs_match_eager(tiny_checkpoints):
         assert llm.core.kv_manager.num_used_blocks == 0
 
 
+class CountedGraph:
+    """A captured graph that counts its replays."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.replays = graph, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.graph.replay()
+
+
+def test_whole_pass_graphs_match_eager(tiny_checkpoints):
+    """Prompts alone (batches of one sequence) replay one graph for the whole pass, attention
+    included: the same greedy tokens as the eager forward pass, whole and in chunks of 48
+    tokens, then again with their full blocks from the cache (a context longer than the query)."""
+    directory = str(tiny_checkpoints["qwen3-qknorm"])
+    common = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 2048}
+    prompts = PROMPTS[:12]
+    eager = LLM(directory, piecewise_cuda_graph_max_tokens=0, **common)
+    expected = [eager.generate(prompt, GREEDY)[0].outputs[0].token_ids for prompt in prompts]
+    for max_batched in (2048, 48):
+        llm = LLM(directory, max_num_batched_tokens=max_batched, **common)
+        graphs = llm.core.runner.piecewise_graphs
+        assert sorted(graphs.whole_graphs) == graphs.sizes
+        graphs.whole_graphs = {size: CountedGraph(g) for size, g in graphs.whole_graphs.items()}
+        for _ in range(2):  # the second time, every prompt's full blocks are cached
+            got = [llm.generate(prompt, GREEDY)[0].outputs[0].token_ids for prompt in prompts]
+            assert got == expected
+        # every prompt the first time; the second, those with more than one token left
+        assert sum(graph.replays for graph in graphs.whole_graphs.values()) > len(prompts)
+        assert llm.core.kv_manager.num_used_blocks == 0
+
+
 def test_prompt_logprobs_on_gpu_match_transformers(tiny_checkpoints):
     """Prompt logprobs from the piecewise graphs' hidden states, in one batch and in chunks of
     48 tokens, against transformers' float32 forward on the GPU."""

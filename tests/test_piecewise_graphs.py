@@ -1,10 +1,16 @@
-"""The padded token counts the piecewise CUDA graphs are captured for (the graphs themselves are
-checked on the GPU in test_cuda_engine.py)."""
+"""The padded token counts the piecewise CUDA graphs are captured for, and which steps may run
+as one whole-pass graph (the graphs themselves are checked on the GPU in test_cuda_engine.py)."""
 
 import pytest
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.core import EngineCore
 from tandem.engine.piecewise_graphs import token_count_ladder
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv.base import NoKVConnector
+from tandem.kv.config import KVTransferConfig
+from tandem.kv.connector import connector_factory
 
 
 def test_ladder_doubles_to_256_then_steps_by_256_to_the_cap():
@@ -29,3 +35,25 @@ def test_a_negative_token_cap_is_refused():
         EngineConfig(device="cpu", piecewise_cuda_graph_max_tokens=-1).resolved()
     off = EngineConfig(device="cpu", piecewise_cuda_graph_max_tokens=0).resolved()
     assert off.piecewise_cuda_graph_max_tokens == 0
+
+
+def test_only_the_tcp_transports_saves_keep_the_layers_apart(tiny_checkpoints):
+    """A prefill whose KV goes out over TCP copies each layer out while the next ones run: its
+    steps need the layers apart. With no save in the step (or no connector), one whole-pass
+    graph may run and the per-layer calls after it."""
+    kv_config = KVTransferConfig(role="prefill", transport="tcp")
+    config = EngineConfig(model=str(tiny_checkpoints["llama-gqa"]), num_kv_blocks=32)
+    core = EngineCore(config, connector_factory(kv_config))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        prompt = list(range(3, 43))
+        core.add_request(
+            Request("p", prompt, params, kv_transfer_params={"do_remote_decode": True})
+        )
+        metadata = core.scheduler.schedule().kv_connector_metadata
+        assert metadata.saves
+        assert core.connector.saves_between_layers(metadata)
+        assert not core.connector.saves_between_layers(core.connector.build_connector_meta([]))
+    finally:
+        core.shutdown()
+    assert not NoKVConnector().saves_between_layers(None)

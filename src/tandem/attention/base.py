@@ -66,6 +66,9 @@ class AttentionBackend:
     """Computes `softmax(q k^T * scale) v` over the paged cache (see the module docstring)."""
 
     name: str = ""
+    # Every launch depends on shapes and metadata ints only, never on tensor values (no host
+    # sync): a CUDA graph may capture the attention, metadata in static buffers.
+    capturable: bool = False
 
     def forward(
         self,

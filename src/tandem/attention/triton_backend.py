@@ -86,6 +86,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    capturable = True
 
     def __init__(self, config: TritonAttentionConfig | None = None) -> None:
         self.config = config or TritonAttentionConfig()

@@ -22,6 +22,14 @@ temporaries: the pieces of one size replay in the order they were captured, and 
 interleaved with another size's. Needs the fused kernels (the K/V store inside the captured
 projection, the residual stream updated in place).
 
+A batch of one sequence (a prompt alone, or a chunk of one, with or without a cached prefix)
+needs no eager attention: its metadata fits static buffers too (query_start_loc [0, n],
+seq_lens [context], one block table row as wide as the longest context), and its attention's
+launch covers the padded size, the query tiles past the real tokens returning at once. So each
+size also gets one whole-pass graph, pieces and attention together, which that batch replays in
+one launch; the KV connector's per-layer calls then run after it, unless they have work to
+overlap with the pass (the TCP transport's copies out), in which case the pieces run.
+
 Where a batch is bound by the GPU (a large model, many tokens) the graphs save nothing and the
 padding costs GPU time. So the sizes are timed once captured, largest first, against the eager
 pass on the same batch, and those where the graphs do not save a tenth are given up: larger
@@ -59,7 +67,12 @@ def token_count_ladder(max_tokens: int) -> list[int]:
 
 class PiecewiseGraphs:
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, max_tokens: int, block_size: int
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        max_tokens: int,
+        block_size: int,
+        max_seq_len: int,
     ) -> None:
         if not model.fused_ops:
             raise ValueError("piecewise CUDA graphs need the model's fused kernels")
@@ -81,7 +94,16 @@ class PiecewiseGraphs:
         self.queries = torch.zeros(capacity, *heads, dtype=dtype, device=device)
         self.attended = torch.zeros(capacity, *heads, dtype=dtype, device=device)
         self.hidden = torch.zeros(capacity, config.hidden_size, dtype=dtype, device=device)
+        # one sequence's metadata, for the whole-pass graphs (a backend that never syncs)
+        self.max_seq_len = max_seq_len
+        self.whole_pass = model.backend.capturable
+        self.one_query_start_loc = torch.zeros(2, dtype=torch.int32, device=device)
+        self.one_seq_len = torch.zeros(1, dtype=torch.int32, device=device)
+        self.one_block_table = torch.zeros(
+            1, cdiv(max_seq_len, block_size), dtype=torch.int32, device=device
+        )
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.whole_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture(ladder)
         self.sizes = sorted(self.graphs)
         logger.info(
@@ -122,6 +144,27 @@ class PiecewiseGraphs:
 
         return [first, *(after_attention(index) for index in range(num_layers))]
 
+    def _whole_pass(self, size: int, pieces: list[Callable[[], None]]) -> Callable[[], None]:
+        """The pieces of `size` with the attention between them, over the one-sequence
+        metadata buffers."""
+        metadata = AttentionMetadata(
+            slot_mapping=self.token_inputs[2, :size],
+            query_start_loc=self.one_query_start_loc,
+            seq_lens=self.one_seq_len,
+            block_tables=self.one_block_table,
+            max_query_len=size,
+            max_seq_len=self.max_seq_len,
+        )
+        queries, attended = self.queries[:size], self.attended[:size]
+
+        def whole_pass() -> None:
+            for index in range(self.num_layers):
+                pieces[index]()
+                self.model.attention(index, (queries,), self.kv_cache, metadata, out=attended)
+            pieces[-1]()
+
+        return whole_pass
+
     @torch.inference_mode()
     def _capture(self, ladder: list[int]) -> None:
         pool = None
@@ -145,8 +188,16 @@ class PiecewiseGraphs:
                     # nothing kept yet: the next size starts a pool of its own, this one's freed
                     del self.graphs[size], graphs, graph
                     pool = None
-                else:
-                    timing = False
+                    continue
+                timing = False
+            if self.whole_pass:
+                whole_pass = self._whole_pass(size, pieces)
+                whole_pass()  # warm-up: the attention's launch for this size (no query: a no-op)
+                torch.cuda.synchronize(self.kv_cache.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    whole_pass()
+                self.whole_graphs[size] = graph
 
     def _time_against_eager(self, size: int) -> tuple[float, float]:
         """Seconds of a batch of one sequence of `size` new tokens (storing nothing) in the
@@ -180,11 +231,22 @@ class PiecewiseGraphs:
         metadata: AttentionMetadata,
         num_tokens: int,
         after_layer: Callable[[int], None] | None = None,
+        between_layers: bool = False,
     ) -> torch.Tensor:
         """The final hidden states [num_tokens, hidden] of the batch; after_layer(i) runs once
-        layer i's K/V is in the cache."""
+        layer i's K/V is in the cache (queued), right after that layer when between_layers,
+        else possibly once the whole pass is queued."""
         size = token_inputs.shape[1]
         self.token_inputs[:, :size].copy_(token_inputs)
+        whole_graph = self.whole_graphs.get(size)
+        if whole_graph is not None and metadata.num_seqs == 1 and not between_layers:
+            self.one_query_start_loc.copy_(metadata.query_start_loc)
+            self.one_seq_len.copy_(metadata.seq_lens)
+            self.one_block_table[:, : metadata.block_tables.shape[1]].copy_(metadata.block_tables)
+            whole_graph.replay()
+            for index in range(self.num_layers if after_layer is not None else 0):
+                after_layer(index)
+            return self.hidden[:num_tokens]
         queries, attended = self.queries[:num_tokens], self.attended[:num_tokens]
         graphs = self.graphs[size]
         for index in range(self.num_layers):

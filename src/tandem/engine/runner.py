@@ -138,7 +138,7 @@ class ModelRunner:
             from tandem.engine.piecewise_graphs import PiecewiseGraphs
 
             self.piecewise_graphs = PiecewiseGraphs(
-                model, self.kv_cache, piecewise_graph_max_tokens, kv_spec.block_size
+                model, self.kv_cache, piecewise_graph_max_tokens, kv_spec.block_size, max_seq_len
             )
 
     def prepare(
@@ -227,7 +227,8 @@ class ModelRunner:
         padded_size = graphs.padded_size(num_tokens) if graphs is not None else None
         token_inputs, metadata, sample_rows = self.prepare(scheduler_output, padded_size)
         if padded_size is not None:
-            hidden = graphs.run(token_inputs, metadata, num_tokens, after_layer)
+            between_layers = self.connector.saves_between_layers(connector_meta)
+            hidden = graphs.run(token_inputs, metadata, num_tokens, after_layer, between_layers)
         else:
             input_ids, positions, _ = token_inputs[:, :num_tokens]
             hidden = self.model(input_ids, positions, self.kv_cache, metadata, after_layer)

@@ -9,6 +9,8 @@ Scheduler side (called by the scheduler, pure bookkeeping):
 Worker side (called by the model runner around the forward pass):
     start_load_kv(metadata)             begin this step's loads (never blocks the batch)
     save_kv_layer(layer_index, kv_cache, metadata)   after each layer's KV is written
+    saves_between_layers(metadata) -> bool   whether those saves gain from running between the
+                                        layers (else they may all run after the whole pass)
     wait_for_save(metadata)             after the forward pass
     get_finished() -> KVConnectorOutput loads done or failed, remote readers done
     set_wakeup(callback)                called from a transport thread whenever get_finished
@@ -67,6 +69,12 @@ class KVConnector:
 
     def save_kv_layer(self, layer_index: int, metadata: Any) -> None:
         return None
+
+    def saves_between_layers(self, metadata: Any) -> bool:
+        """True when this step's save_kv_layer calls have work to overlap with the layers after
+        theirs; False lets the runner queue the whole forward pass first (one CUDA graph) and
+        make every layer's call after it."""
+        return False
 
     def wait_for_save(self, metadata: Any) -> None:
         return None

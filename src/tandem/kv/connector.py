@@ -416,6 +416,11 @@ class PDConnector(KVConnector):
                 lease.staging[layer_index].copy_(gathered, non_blocking=True)
                 lease.events[layer_index].record(self.copy_stream)
 
+    def saves_between_layers(self, metadata: ConnectorMetadata | None) -> bool:
+        """The TCP transport's saves copy each layer's blocks out while the next layers run;
+        cuda-ipc's only publish the lease and announce it, which may wait for the whole pass."""
+        return bool(metadata is not None and metadata.saves) and not self.gpu_direct
+
     def _publish(self, spec: SaveSpec) -> None:
         num_layers = 0 if self.gpu_direct else self.kv_spec.num_layers
         shape = (2, len(spec.block_ids), *self.kv_cache.shape[3:])

@@ -242,6 +242,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.fused_ops = fused_ops
+        self.backend = backend
         self.model = LlamaModel(config, backend, fused_ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
