@@ -6,7 +6,9 @@ held behind on any path (first token ending the request, stop strings, client di
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -21,7 +23,9 @@ from pd_fixtures import (
     with_defaults,
 )
 from tandem.engine.config import EngineConfig
-from tandem.server.pd_client import place_engines
+from tandem.engine.sampling_params import SamplingParams
+from tandem.server.engine_client import QueueFullError
+from tandem.server.pd_client import DisaggregatedClient, place_engines
 from worker_fixtures import DEFAULT_MODEL
 
 PROMPTS = prompt_set(1000, 300, 20000)[::2]
@@ -169,3 +173,42 @@ def test_engine_placement(device: str, decode_device: str, expected: tuple):
     prefill, decode = place_engines(EngineConfig(device=device), decode_device)
     assert prefill.gpu_memory_utilization == decode.gpu_memory_utilization
     assert (prefill.device, decode.device, prefill.gpu_memory_utilization) == expected
+
+
+class StubEngine:
+    """An engine client whose legs wait forever (or are refused at once), recording aborts."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.kv_config = SimpleNamespace(host="127.0.0.1", transport="tcp")
+        self.info = SimpleNamespace(kv_port=1)
+        self.stats_listener = None
+        self.aborted: list[str] = []
+        self.closed: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, params, kv_transfer_params=None):
+        if self.refuse:
+            raise QueueFullError("the queue is full")
+        try:
+            await asyncio.Event().wait()
+            yield
+        finally:
+            self.closed.append(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_a_decode_leg_refused_aborts_the_prefill_leg():
+    """The prefill leg goes in first; when the decode engine refuses its leg, the prefill leg is
+    aborted (which also ends its lease if it is done already) and the refusal is the answer."""
+    prefill, decode = StubEngine(), StubEngine(refuse=True)
+    client = DisaggregatedClient(prefill, decode)
+
+    async def run() -> None:
+        async for _ in client.generate("r", [1, 2, 3], SamplingParams(max_tokens=4)):
+            pass
+
+    with pytest.raises(QueueFullError):
+        asyncio.run(run())
+    assert prefill.aborted == ["r"] and prefill.closed == ["r"]

@@ -609,10 +609,10 @@ def test_an_injected_drop_comes_before_held(make_server, client):
     assert done.wait_for(1) == [("gpu", False)] and owner.held == []
 
 
-def wait_with_hold(
+def start_held_wait(
     client, server, handoff_id: str, early: bool = False
 ) -> tuple[threading.Thread, list]:
-    """Start a held wait on handoff_id in a thread, once it reached the server."""
+    """A held wait on handoff_id in a thread; what it returns goes into the list."""
     received: list = []
     waiter = threading.Thread(
         target=lambda: received.append(
@@ -622,6 +622,14 @@ def wait_with_hold(
         )
     )
     waiter.start()
+    return waiter, received
+
+
+def wait_with_hold(
+    client, server, handoff_id: str, early: bool = False
+) -> tuple[threading.Thread, list]:
+    """Start a held wait on handoff_id in a thread, once it reached the server."""
+    waiter, received = start_held_wait(client, server, handoff_id, early)
     deadline = time.monotonic() + 5.0
     while not server._handoffs.get(handoff_id) or server._handoffs[handoff_id].waiter is None:
         assert time.monotonic() < deadline, "the wait did not reach the server"
@@ -713,31 +721,104 @@ def test_an_early_announcement_holds_and_the_announcement_follows(make_server, c
 
 
 def test_an_early_announcement_needs_an_early_waiter_and_a_hold(make_server, client):
-    """Nobody waiting, a wait that did not ask for it, a transfer the owner refuses: no early
-    announcement, and the announcement proper then carries everything as before."""
+    """A wait that did not ask for it, a transfer the owner refuses: no early announcement,
+    and the announcement proper then carries everything as before."""
     owner = HoldOwner()
     server, done = make_server(on_transfer_held=owner)
     server.publish("gpu", [])
     server.publish("ended", [])
     owner.ended.add("ended")
-    made: list[str] = []  # early messages made: none may be, none going out
-
-    def early_message() -> dict:
-        made.append("early")
-        return {"n": 0}
-
-    assert not server.announce_early("nobody", "gpu", early_message)
     waiter, received = wait_with_hold(client, server, "plain")
-    assert not server.announce_early("plain", "gpu", early_message)
+    assert not server.announce_early("plain", "gpu", lambda: {"n": 0})
     server.announce("plain", {"n": 1})
     waiter.join(5.0)
     assert received == [({"n": 1}, None)]
     waiter, received = wait_with_hold(client, server, "refused", early=True)
-    assert not server.announce_early("refused", "ended", early_message)
+    assert not server.announce_early("refused", "ended", lambda: {"n": 0})
     server.announce("refused", {"n": 2})
     waiter.join(5.0)
     assert received == [({"n": 2}, None)]
-    assert owner.held == [] and done.calls == [] and made == []
+    assert owner.held == [] and done.calls == [] and server.early_announcements == 0
+
+
+def late_wait(client, server, handoff_id: str) -> list:
+    """A held wait (early) on handoff_id, run to its first message."""
+    waiter, received = start_held_wait(client, server, handoff_id, early=True)
+    waiter.join(5.0)
+    return received
+
+
+def test_an_early_announcement_waits_for_a_decode_that_comes_later(make_server, client):
+    """Made before anyone waits, an early announcement goes to the AWAIT (hold, early) that
+    comes before the announcement proper, from its connection's thread, with the transfer
+    held; the announcement proper follows on that connection."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    early = {"remote_request_id": "gpu", "remote_block_ids": [4, 2]}
+    assert server.announce_early("h", "gpu", lambda: early)
+    assert owner.held == [] and server.early_announcements == 0  # kept, not sent
+    [(message, hold)] = late_wait(client, server, "h")
+    assert message == early and hold.announcement_pending and owner.held == ["gpu"]
+    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
+    assert hold.announcement() == {"first_token_id": 7}
+    assert server.early_announcements == 1  # counted before the waiter could be announced to
+    assert_release_ends_the_transfer(hold, server, client, done)
+    assert server._early_waiters == {} and server._handoffs == {}
+
+
+def test_a_kept_early_announcement_is_not_for_late_or_plain_waits(make_server, client):
+    """An AWAIT after the announcement proper gets only that (held as usual); one that did not
+    ask for early announcements waits for the announcement proper."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    assert server.announce_early("after", "gpu", lambda: {"n": 0})
+    server.announce("after", {"first_token_id": 7}, transfer_id="gpu")
+    [(message, hold)] = late_wait(client, server, "after")
+    assert message == {"first_token_id": 7} and not hold.announcement_pending
+    assert_release_ends_the_transfer(hold, server, client, done)
+    assert server.announce_early("plain", "other", lambda: {"n": 0})
+    waiter, received = wait_with_hold(client, server, "plain", early=False)
+    server.announce("plain", {"n": 1})
+    waiter.join(5.0)
+    assert received == [({"n": 1}, None)]  # "other" is not published: nothing to hold
+    assert server.early_announcements == 0
+
+
+def test_the_announcement_proper_during_a_kept_early_ones_send_follows_it(make_server, client):
+    """`announce` runs while the connection's thread holds the transfer for the kept early
+    announcement: that thread sends the early message, then the announcement proper."""
+    server = None
+
+    def hold_while_announcing(transfer_id: str) -> bool:
+        server.announce("h", {"first_token_id": 7}, transfer_id=transfer_id)
+        return True
+
+    server, done = make_server(on_transfer_held=hold_while_announcing)
+    server.publish("gpu", [])
+    assert server.announce_early("h", "gpu", lambda: {"remote_request_id": "gpu"})
+    [(message, hold)] = late_wait(client, server, "h")
+    assert message == {"remote_request_id": "gpu"} and hold.announcement_pending
+    assert hold.announcement() == {"first_token_id": 7}
+    assert_release_ends_the_transfer(hold, server, client, done)
+
+
+def test_a_kept_early_announcement_the_owner_refuses_leaves_the_announcement_proper(
+    make_server, client
+):
+    """The lease ended before the decode came: no early message; the announcement proper (why
+    the prefill gave up) answers the wait."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("ended", [])
+    owner.ended.add("ended")
+    assert server.announce_early("h", "ended", lambda: {"n": 0})
+    waiter, received = wait_with_hold(client, server, "h", early=True)
+    server.announce("h", {"error": "the prefill ended without its KV"})
+    waiter.join(5.0)
+    assert received == [({"error": "the prefill ended without its KV"}, None)]
+    assert owner.held == [] and done.calls == [] and server.early_announcements == 0
 
 
 @pytest.mark.parametrize("how", ["abandon", "cancel"])

@@ -454,17 +454,14 @@ class PDConnector(KVConnector):
                 return
             lease.transferable = True  # a hold may come with the early announcement
 
-        def message() -> dict[str, Any]:  # made only when a decode worker waits for it
+        def message() -> dict[str, Any]:  # sent now, or kept for a decode worker yet to wait
             event, handle = self.ready_events[self.next_ready_event]
             self.next_ready_event = (self.next_ready_event + 1) % len(self.ready_events)
             event.record(torch.cuda.current_stream(self.device))
             return dict(self._transfer_params(request, spec.block_ids), kv_ready_event=handle)
 
-        sent = self.server.announce_early(handoff_id, spec.request_id, message)
-        with self.lock:
-            if sent:
-                self.counters["kv_handoffs_early"] += 1
-            else:
+        if not self.server.announce_early(handoff_id, spec.request_id, message):
+            with self.lock:
                 lease.transferable = False
 
     def start_load_kv(self, metadata: ConnectorMetadata | None) -> None:
@@ -859,6 +856,8 @@ class PDConnector(KVConnector):
             stats["kv_blocks_leased"] = sum(lease.num_blocks for lease in self.leases.values())
             stats["kv_transfer_seconds"], self.new_transfer_seconds = self.new_transfer_seconds, []
             stats["kv_transfer_failures"], self.new_failures = self.new_failures, {}
+        if self.server is not None:
+            stats["kv_handoffs_early"] = self.server.early_announcements
         return stats
 
     def shutdown(self) -> None:

@@ -59,8 +59,10 @@ An early announcement goes out before the prefill is done (`announce_early`): as
 prefill's KV is queued on its GPU, a decode worker that waits with AWAIT (hold, early) gets what
 it needs to queue its copy behind that work, with the transfer held; the announcement proper
 (the first token, or why the prefill gave up) follows on the same connection when `announce` is
-called, and only then may the client use the copy. A waiter that did not ask for it, or one
-that is not waiting yet, gets only the announcement proper.
+called, and only then may the client use the copy. One whose AWAIT (hold, early) arrives later,
+but before the announcement proper, gets the early announcement then, from its connection's
+thread. A waiter that did not ask for it, or one that comes after the announcement proper,
+gets only the announcement proper.
 
 Threads: the server runs one accept thread plus one thread per connection; `wait_layer` and the
 `on_transfer_done` and `on_transfer_held` callbacks run on the connection's thread (the callbacks
@@ -251,6 +253,7 @@ class _Handoff:
     waiter: socket.socket | None = None  # the connection of a decode worker waiting on it
     answered: bool = False  # the waiter got its one answer (set by whoever sends it)
     transfer_id: str | None = None  # the transfer the announcement names, to hold if asked
+    early_message: dict[str, Any] | None = None  # made before anyone waited, for a later AWAIT
     hold_wanted: bool = False  # the waiter asked for that transfer held (AWAIT hold)
     early_wanted: bool = False  # the waiter takes an early announcement (AWAIT early)
     held: bool = False  # it is held for the waiter's connection, until CONFIRM or a drop
@@ -297,6 +300,7 @@ class TcpKVServer(TransportServer):
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._num_faulted_fetches = 0
         self._connections_accepted = 0
+        self._early_announcements = 0
         self._closing = threading.Event()
 
         family, kind, proto, _, address = socket.getaddrinfo(
@@ -322,6 +326,11 @@ class TcpKVServer(TransportServer):
     def connections_accepted(self) -> int:
         """How many client connections this server has accepted so far."""
         return self._connections_accepted
+
+    @property
+    def early_announcements(self) -> int:
+        """How many early announcements this server has sent so far."""
+        return self._early_announcements
 
     def publish(
         self,
@@ -357,25 +366,20 @@ class TcpKVServer(TransportServer):
         already gets it from this thread: handing the send to the connection's thread would add
         that thread's wake-up to the handoff."""
         now = time.monotonic()
-        with self._lock:
+        with self._lock:  # one section: a waiter that took a late early one sees the message
             early_waiter = self._early_waiters.pop(handoff_id, None)
+            if early_waiter is None:
+                for stale in [k for k, h in self._handoffs.items() if h.expires < now]:
+                    del self._handoffs[stale]
+                handoff = self._handoffs.setdefault(handoff_id, _Handoff())
+                handoff.message = message
+                handoff.transfer_id = transfer_id
+                handoff.expires = now + self._announcement_ttl
+                waiter = None if handoff.answered else handoff.waiter
+                handoff.answered = waiter is not None
         if early_waiter is not None:
-            try:
-                _send_message(early_waiter, _ANNOUNCE, _encoder.encode(message))
-            except OSError as exc:  # the connection's thread sees the client gone, lets go
-                logger.debug(
-                    "KV server on port %d: announcing %r failed: %r", self.port, handoff_id, exc
-                )
+            self._send_proper(early_waiter, handoff_id, message)
             return
-        with self._lock:
-            for stale in [k for k, h in self._handoffs.items() if h.expires < now]:
-                del self._handoffs[stale]
-            handoff = self._handoffs.setdefault(handoff_id, _Handoff())
-            handoff.message = message
-            handoff.transfer_id = transfer_id
-            handoff.expires = now + self._announcement_ttl
-            waiter = None if handoff.answered else handoff.waiter
-            handoff.answered = waiter is not None
         if waiter is not None:
             try:
                 self._send_announcement(waiter, handoff)
@@ -395,17 +399,23 @@ class TcpKVServer(TransportServer):
     ) -> bool:
         """Send make_message() ahead of the announcement proper to the decode worker waiting
         on handoff_id, with transfer_id held for it, if it waits already and asked for an early
-        announcement (and a hold); the message is made only then. False when it was not sent:
-        `announce` then does all."""
+        announcement (and a hold); when nobody waits yet, keep the message for an AWAIT (hold,
+        early) that comes before the announcement proper. False when it was neither sent nor
+        kept: `announce` then does all."""
+        message = make_message()
         with self._lock:
-            handoff = self._handoffs.get(handoff_id)
-            if handoff is None or not (handoff.early_wanted and handoff.hold_wanted):
+            handoff = self._handoffs.setdefault(handoff_id, _Handoff())
+            if handoff.answered or handoff.message is not None:
                 return False
-            if handoff.waiter is None or handoff.answered:
+            if handoff.waiter is None:
+                handoff.early_message = message
+                handoff.transfer_id = transfer_id
+                handoff.expires = time.monotonic() + self._announcement_ttl
+                return True
+            if not (handoff.early_wanted and handoff.hold_wanted):
                 return False
         if not self._hold(transfer_id):
             return False
-        message = make_message()
         with self._lock:
             waiter = None if handoff.answered else handoff.waiter
             if waiter is not None:
@@ -425,8 +435,18 @@ class TcpKVServer(TransportServer):
             return False
         with self._lock:
             self._early_waiters[handoff_id] = waiter
+            self._early_announcements += 1
         handoff.arrived.set()  # the connection's thread goes on to wait for CONFIRM
         return True
+
+    def _send_proper(self, connection: socket.socket, handoff_id: str, message: dict) -> None:
+        """The announcement proper, to a waiter that got the early one."""
+        try:
+            _send_message(connection, _ANNOUNCE, _encoder.encode(message))
+        except OSError as exc:  # the connection's thread sees the client gone, lets go
+            logger.debug(
+                "KV server on port %d: announcing %r failed: %r", self.port, handoff_id, exc
+            )
 
     def close(self) -> None:
         """Stop accepting, forget every transfer, end every connection and join the threads."""
@@ -514,6 +534,17 @@ class TcpKVServer(TransportServer):
             handoff.waiter = connection  # an announcement from now on is sent by `announce`
             handoff.hold_wanted = request.hold
             handoff.early_wanted = request.early
+            # an early announcement kept for this wait goes out from here, before the proper one
+            take_early = request.hold and request.early and handoff.early_message is not None
+            take_early = take_early and not handoff.answered and handoff.message is None
+            handoff.answered = handoff.answered or take_early
+        if take_early and self._send_kept_early(connection, handoff_id, handoff):
+            with self._lock:
+                if self._handoffs.get(handoff_id) is handoff:
+                    del self._handoffs[handoff_id]
+                handoff.waiter = None
+            self._serve_held(connection, handoff.transfer_id, header)
+            return
         deadline = time.monotonic() + request.timeout_s
         try:
             while not handoff.arrived.wait(AWAIT_POLL_S):
@@ -547,9 +578,39 @@ class TcpKVServer(TransportServer):
             if handoff.held:
                 self._let_go(handoff.transfer_id)
             raise
-        if not handoff.held:
-            return
+        if handoff.held:
+            self._serve_held(connection, handoff.transfer_id, header)
+
+    def _send_kept_early(
+        self, connection: socket.socket, handoff_id: str, handoff: _Handoff
+    ) -> bool:
+        """An AWAIT (hold, early) that came after `announce_early` kept its message: hold the
+        transfer, send that message, then the announcement proper if `announce` came meanwhile
+        (else `announce` sends it). False when the transfer could not be held: the waiter then
+        waits for the announcement proper as any other."""
         transfer_id = handoff.transfer_id
+        if not self._hold(transfer_id):
+            with self._lock:
+                handoff.answered = False  # an `announce` meanwhile left the answer to this wait
+            return False
+        handoff.held = True
+        try:
+            payload = _encoder.encode(handoff.early_message)
+            _send_message(connection, _ANNOUNCE, payload, layer=_HELD_FLAG | _EARLY_FLAG)
+        except BaseException:
+            self._let_go(transfer_id)
+            raise
+        with self._lock:
+            self._early_announcements += 1
+            proper = handoff.message  # set by an `announce` that found no early waiter
+            if proper is None:
+                self._early_waiters[handoff_id] = connection
+        if proper is not None:
+            self._send_proper(connection, handoff_id, proper)
+        return True
+
+    def _serve_held(self, connection: socket.socket, transfer_id: str, header: bytearray) -> None:
+        """After an announcement that went out with its transfer held: wait for CONFIRM."""
         with self._lock:
             transfer = self._transfers.get(transfer_id)
         if transfer is None:  # a held transfer stays published until the server closes

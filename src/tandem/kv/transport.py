@@ -128,9 +128,9 @@ class TransportServer(ABC):
         self, handoff_id: str, transfer_id: str, make_message: Callable[[], dict[str, Any]]
     ) -> bool:
         """Send make_message() ahead of the announcement to a decode worker that waits on
-        handoff_id already and takes early announcements, with transfer_id held for it (the
-        message is made only then); False when it was not sent (the announcement then carries
-        everything)."""
+        handoff_id already and takes early announcements, with transfer_id held for it, or keep
+        it for one that comes to wait before the announcement; False when it was neither sent
+        nor kept (the announcement then carries everything)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -159,22 +159,22 @@ class DisaggregatedClient:
             "remote_port": self.prefill.info.kv_port,
             "kv_transport": self.prefill.kv_config.transport,
         }
-        # The decode leg goes in first: its engine waits on the prefill's KV server before the
-        # prefill starts, so it gets the early announcement (cuda-ipc) and copies as the prefill
-        # ends. (In two A/Bs on 2 x H200 the prefill leg first read a higher TTFT at 128 tokens
-        # and a lower one at 1024: neither order ahead everywhere; docs/benchmarks.md.)
-        decode_leg = self.decode.generate(request_id, prompt_token_ids, params, waiting)
-        decode_first = await self._start(decode_leg)
+        # The prefill leg goes in first, the first token's way. The decode engine's wait reaches
+        # the prefill's KV server while the prefill runs; an early announcement made before it
+        # is kept for it (cuda-ipc), so its copy is still queued before the prefill ends.
         prefill_leg = self.prefill.generate(
             request_id,
             prompt_token_ids,
             prefill_leg_params(params),
             {"do_remote_decode": True, "do_remote_prefill": False, "handoff_id": handoff_id},
         )
+        prefill_first = await self._start(prefill_leg)
+        decode_leg = self.decode.generate(request_id, prompt_token_ids, params, waiting)
         try:
-            prefill_first = await self._start(prefill_leg)
+            decode_first = await self._start(decode_leg)
         except BaseException:
-            await self._close_leg(decode_first, decode_leg)
+            await self.prefill.abort(request_id)  # its lease too, if it is done already
+            await self._close_leg(prefill_first, prefill_leg)
             raise
         lease: dict[str, Any] | None = None
         handed_over = False
