@@ -366,7 +366,7 @@ class TcpKVServer(TransportServer):
         already gets it from this thread: handing the send to the connection's thread would add
         that thread's wake-up to the handoff."""
         now = time.monotonic()
-        with self._lock:  # one section: a waiter that took a late early one sees the message
+        with self._lock:  # one section: a wait sent a kept early announcement sees the message
             early_waiter = self._early_waiters.pop(handoff_id, None)
             if early_waiter is None:
                 for stale in [k for k, h in self._handoffs.items() if h.expires < now]:
