@@ -15,7 +15,7 @@ from tandem.launcher.cluster import (
     merge_overrides,
     parse_cluster,
 )
-from tandem.launcher.supervisor import plan_processes
+from tandem.launcher.supervisor import Supervisor, plan_processes
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster.yaml"
 
@@ -103,6 +103,10 @@ def test_flags_override_the_defaults_and_the_file():
             "{kv_transport: cuda-ipc}}}",
             "cuda-ipc KV transport needs GPUs",
         ),
+        (
+            "device: cpu\nroles: {pd: {count: 1, engine: {kv_transport: cuda-ipc}}}",
+            "cuda-ipc KV transport needs GPUs",
+        ),
         (PD_ROLES + "ports: {router: 8000, workers: 8001, kv: 8002}", "overlap"),
         (PD_ROLES + "ports: {router: 8101, workers: 8100}", "router port 8101"),
         ("- a\n- b", "the top level must be a mapping"),
@@ -155,3 +159,25 @@ def test_auto_kv_transport_is_gpu_direct_on_gpus(device, num_gpus, transport):
     spec = parse_cluster(DEFAULT_CLUSTER)
     for plan in plan_processes(spec, device, num_gpus=num_gpus, python="py")[:-1]:
         assert plan.argv[plan.argv.index("--kv-transport") + 1] == transport
+
+
+def test_pd_servers_take_two_gpus_each_and_reach_the_router_as_colocated():
+    spec = parse_cluster({"roles": {"both": {"count": 1}, "pd": {"count": 2}}})
+    plans = plan_processes(spec, "cuda", num_gpus=4, python="py")
+    assert [plan.name for plan in plans] == ["both-0", "pd-0", "pd-1", "router"]
+    pd = plans[1].argv
+    assert pd[pd.index("--role") + 1] == "pd" and pd[pd.index("--port") + 1] == "8101"
+    devices = [
+        (plan.argv[plan.argv.index("--device") + 1], plan.argv[plan.argv.index("--device") + 3])
+        for plan in plans[1:3]
+    ]
+    assert plans[0].argv[plans[0].argv.index("--device") + 1] == "cuda:0"
+    assert devices == [("cuda:1", "cuda:2"), ("cuda:3", "cuda:0")]  # round the four GPUs
+    router = plans[-1].argv
+    workers = [router[i + 1] for i, arg in enumerate(router) if arg == "--worker"]
+    assert workers == [f"http://127.0.0.1:{port}" for port in (8100, 8101, 8102)]
+    assert "--prefill" not in router and "--decode" not in router
+    supervisor = Supervisor(plans, startup_timeout_s=1, stop_timeout_s=1)
+    assert supervisor._expected_router_counts() == {"prefill": 0, "decode": 0, "both": 3}
+    cpu = plan_processes(spec, "cpu", num_gpus=0, python="py")[1].argv
+    assert cpu[cpu.index("--device") + 1] == "cpu" and "--decode-device" not in cpu

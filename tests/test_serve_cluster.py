@@ -1,6 +1,6 @@
 """The real PD system end to end: `tandem serve` on the default model behind the official openai
-client, compared with a colocated worker; a decode worker killed mid-stream behind the router;
-Ctrl-C on `tandem serve` leaving no process behind."""
+client, compared with a colocated worker, also over a pd server alone; a decode worker killed
+mid-stream behind the router; Ctrl-C on `tandem serve` leaving no process behind."""
 
 from __future__ import annotations
 
@@ -186,6 +186,38 @@ def test_64_concurrent_streams_complete(cluster):
     results = asyncio.run(run())
     assert len(results) == 64
     assert all(text and finish in ("length", "stop") for text, finish in results)
+
+
+def test_serve_pd_servers_alone_match_colocated(cluster, tmp_path):
+    """`tandem serve --prefill 0 --decode 0 --pd 1`: the router over one pd server (a prefill
+    and a decode engine behind one API server) as a colocated worker answers as the colocated
+    worker does, and Ctrl-C leaves no process."""
+    port = free_port()
+    launcher = tandem_process(
+        tmp_path / "serve-pd.log", "serve", "--port", str(port), "--device", "cpu",
+        "--prefill", "0", "--decode", "0", "--pd", "1",
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        served = {"prefill": 0, "decode": 0, "both": 1}
+        health = lambda: httpx.get(f"{url}/health").json().get("workers") == served  # noqa: E731
+        wait_until(health, 300, "tandem serve --pd 1")
+        body = {"model": DEFAULT_MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 20}
+        answers = [
+            httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()
+            for base in (url, cluster["reference"].url)
+        ]
+        texts = [answer["choices"][0]["message"]["content"] for answer in answers]
+        assert "Paris" in texts[0] and texts[0] == texts[1]
+        children = descendants(launcher.pid)
+        assert len(children) >= 4  # the router, the pd server and its two engine cores
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=60) == 0
+        wait_until(lambda: not any(alive(pid) for pid in children), 10, "every child exiting")
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
 
 
 def test_ctrl_c_on_serve_leaves_no_process(cluster):

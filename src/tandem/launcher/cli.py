@@ -32,6 +32,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefill", type=int, metavar="N", help="prefill workers (default 1)")
     parser.add_argument("--decode", type=int, metavar="N", help="decode workers (default 1)")
     parser.add_argument("--both", type=int, metavar="N", help="colocated workers (default 0)")
+    parser.add_argument(
+        "--pd",
+        type=int,
+        metavar="N",
+        help="servers that each run a prefill and a decode engine (two GPUs), seen by the router "
+        "as colocated workers (default 0; with --prefill 0 --decode 0 for them alone)",
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: auto")
     parser.add_argument(
         "--kv-transport",
@@ -69,8 +76,10 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "roles.prefill.count": args.prefill,
         "roles.decode.count": args.decode,
         "roles.both.count": args.both,
+        "roles.pd.count": args.pd,
         "roles.prefill.engine.kv_transport": args.kv_transport,
         "roles.decode.engine.kv_transport": args.kv_transport,
+        "roles.pd.engine.kv_transport": args.kv_transport,
         "router.host": args.host,
         "ports.router": args.port,
         "ports.workers": args.worker_port_base,
@@ -99,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     roles = spec.roles
     print(
         f"tandem serve: starting {spec.model} on {device}: {roles.prefill.count} prefill, "
-        f"{roles.decode.count} decode, {roles.both.count} both",
+        f"{roles.decode.count} decode, {roles.both.count} both, {roles.pd.count} pd",
         flush=True,
     )
     supervisor = Supervisor(

@@ -6,6 +6,7 @@
       prefill: {count: 1, engine: {block_size: 16, kv_transport: tcp}}
       decode:  {count: 1, engine: {block_size: 16, kv_transport: tcp}}
       both:    {count: 0}
+      pd:      {count: 0}          # servers over a prefill and a decode engine (--role pd)
     ports: {router: 8000, workers: 8100, kv: 8200}
     router: {prefill_policy: prefix-aware}
 
@@ -16,6 +17,7 @@ that names the problem (`ClusterError`):
 * prefill workers need decode workers to continue their requests, and decode workers need
   prefill workers to feed them (colocated workers are role `both`);
 * decode workers need a kv_transport when there are prefill workers;
+* a pd server needs nothing beside it: the router sees it as a colocated worker;
 * the router, worker and KV port ranges must not overlap.
 A prefill role without a kv_transport takes the decode role's.
 """
@@ -73,6 +75,7 @@ class RolesSpec(_Strict):
     prefill: RoleSpec = RoleSpec()
     decode: RoleSpec = RoleSpec()
     both: RoleSpec = RoleSpec()
+    pd: RoleSpec = RoleSpec()
 
 
 class PortsSpec(_Strict):
@@ -109,7 +112,7 @@ class ClusterSpec(_Strict):
     @property
     def num_workers(self) -> int:
         roles = self.roles
-        return roles.prefill.count + roles.decode.count + roles.both.count
+        return roles.prefill.count + roles.decode.count + roles.both.count + roles.pd.count
 
     def engine_of(self, role: str) -> EngineSettings:
         """The role's engine settings, with a prefill kv_transport defaulting to decode's."""
@@ -126,9 +129,9 @@ def _describe(value: object) -> str:
 def check_cluster(spec: ClusterSpec) -> ClusterSpec:
     """Returns `spec` if it can work, else raises ClusterError naming the first problem."""
     roles = spec.roles
-    counts = {name: getattr(roles, name).count for name in ("prefill", "decode", "both")}
+    counts = {name: getattr(roles, name).count for name in ("prefill", "decode", "both", "pd")}
     if sum(counts.values()) == 0:
-        raise ClusterError("The cluster has no workers: give prefill, decode or both a count.")
+        raise ClusterError("The cluster has no workers: give prefill, decode, both or pd a count.")
     if counts["prefill"] and not counts["decode"]:
         raise ClusterError(
             "The cluster has prefill workers but no decode worker to continue their requests."
@@ -146,7 +149,7 @@ def check_cluster(spec: ClusterSpec) -> ClusterSpec:
                 f"{spec.model_of(used[0])}; every role must serve the same model."
             )
     if counts["prefill"]:
-        prefill, decode = roles.prefill.engine, roles.decode.engine
+        decode = roles.decode.engine
         if decode.kv_transport is None:
             raise ClusterError(
                 "roles.decode.engine.kv_transport is not set, so the decode workers have no way "
@@ -161,8 +164,9 @@ def check_cluster(spec: ClusterSpec) -> ClusterSpec:
                     f"roles.decode.engine.{field} ({_describe(decode_value)}); prefill and decode "
                     "must share one KV layout and transport."
                 )
-        if spec.device == "cpu" and "cuda-ipc" in (prefill.kv_transport, decode.kv_transport):
-            raise ClusterError("The cuda-ipc KV transport needs GPUs, but the device is cpu.")
+    transports = {spec.engine_of(name).kv_transport for name in used}
+    if spec.device == "cpu" and "cuda-ipc" in transports:
+        raise ClusterError("The cuda-ipc KV transport needs GPUs, but the device is cpu.")
     worker_ports = range(spec.worker_port_base, spec.worker_port_base + spec.num_workers)
     kv_ports = range(spec.kv_port_base, spec.kv_port_base + spec.num_workers)
     if worker_ports.stop > 65536 or kv_ports.stop > 65536:

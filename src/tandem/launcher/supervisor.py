@@ -7,10 +7,11 @@ PR_SET_PDEATHSIG=SIGKILL, so it dies with the launcher even when the launcher is
 A child that exits on its own stops the whole cluster, and the launcher exits non-zero naming it.
 
 Ports: workers take `worker_port_base + i`, and `kv_port_base + i` for their KV listener, in the
-order prefill, decode, both. With GPUs, worker i runs on GPU i (mod the number of GPUs) as
-`--device cuda:i`; every worker sees the same GPUs under the same indices, which CUDA IPC between
-them needs. The KV transport `auto` becomes cuda-ipc on GPUs (all workers share this host) and
-tcp on CPUs.
+order prefill, decode, both, pd. With GPUs, the workers take the GPUs in that order (mod the
+number of GPUs), one each as `--device cuda:i`, two for a pd server (`--device cuda:i
+--decode-device cuda:i+1`); every worker sees the same GPUs under the same indices, which CUDA
+IPC between them needs. The KV transport `auto` becomes cuda-ipc on GPUs (all workers share this
+host) and tcp on CPUs. The router gets pd servers as colocated (`--worker`) workers.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class ProcessPlan:
     name: str  # "prefill-0", ..., "router"
     argv: tuple[str, ...]
     url: str
-    role: str  # "prefill" | "decode" | "both" | "router"
+    role: str  # "prefill" | "decode" | "both" | "pd" | "router"
 
 
 def resolve_device(device: str) -> tuple[str, int]:
@@ -60,21 +61,30 @@ def plan_processes(
     transport = "cuda-ipc" if device == "cuda" else "tcp"
     plans: list[ProcessPlan] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
-    for role in ("prefill", "decode", "both"):
+    next_gpu = 0  # one GPU per worker, two per pd server (its prefill's, then its decode's)
+    for role in ("prefill", "decode", "both", "pd"):
         for index in range(getattr(spec.roles, role).count):
             slot = len(plans)
             port = spec.worker_port_base + slot
             url = f"http://127.0.0.1:{port}"
             argv = [python, "-m", "tandem.cli", "worker", "--model", spec.model_of(role)]
             argv += ["--role", role, "--host", "127.0.0.1", "--port", str(port)]
-            worker_device = f"cuda:{slot % num_gpus}" if device == "cuda" else device
-            argv += ["--kv-port", str(spec.kv_port_base + slot), "--device", worker_device]
+            argv += ["--kv-port", str(spec.kv_port_base + slot), "--device"]
+            if device != "cuda":
+                argv.append(device)
+            elif role == "pd":
+                argv += [f"cuda:{next_gpu % num_gpus}"]
+                argv += ["--decode-device", f"cuda:{(next_gpu + 1) % num_gpus}"]
+                next_gpu += 2
+            else:
+                argv.append(f"cuda:{next_gpu % num_gpus}")
+                next_gpu += 1
             engine = spec.engine_of(role)
             if engine.kv_transport == "auto":
                 engine = engine.model_copy(update={"kv_transport": transport})
             argv += engine.worker_flags()
             plans.append(ProcessPlan(f"{role}-{index}", tuple(argv), url, role))
-            urls[role].append(url)
+            urls["both" if role == "pd" else role].append(url)  # whole requests, to a router
     router = spec.router
     argv = [python, "-m", "tandem.cli", "router", "--host", router.host]
     argv += ["--port", str(spec.ports.router)]
@@ -155,8 +165,9 @@ class Supervisor:
     def _expected_router_counts(self) -> dict[str, int]:
         counts = {"prefill": 0, "decode": 0, "both": 0}
         for plan in self.plans:
-            if plan.role in counts:
-                counts[plan.role] += 1
+            role = "both" if plan.role == "pd" else plan.role  # as the router counts them
+            if role in counts:
+                counts[role] += 1
         return counts
 
     def _is_ready(self, client: httpx.Client, plan: ProcessPlan) -> bool:
