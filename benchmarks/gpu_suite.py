@@ -547,6 +547,15 @@ LATENCY_WORKER_ARGS = [
 LATENCY_REPEATS = 30  # measured requests per input length and path, after 2 warm-ups
 
 
+def pair_ttft_ratios(runs: dict[str, list[dict]], path: str) -> list[float]:
+    """Each request's TTFT on `path` over that of the `both` request run back to back with it
+    on the same prompt."""
+    return [
+        timed["ttft_ms"] / both["ttft_ms"]
+        for timed, both in zip(runs[path], runs["both"], strict=True)
+    ]
+
+
 def latency(limits: dict, log_dir: Path) -> dict:
     import httpx
 
@@ -628,13 +637,10 @@ def latency(limits: dict, log_dir: Path) -> dict:
                     for name, measured in runs.items()
                 }
                 row["ttft_ratio"] = row["pd"]["ttft_ms"] / row["both"]["ttft_ms"]
-                ratios = [
-                    pd["ttft_ms"] / both["ttft_ms"]
-                    for pd, both in zip(runs["pd"], runs["both"], strict=True)
-                ]  # each pair ran back to back on the same prompt
+                ratios = pair_ttft_ratios(runs, "pd")
                 row["ttft_ratio_min_max"] = [min(ratios), max(ratios)]
                 row["ttft_ratio_median_of_pairs"] = statistics.median(ratios)
-                for name in ("pd", "pd_in_sequence"):
+                for name in ("pd", "pd_in_sequence", "pd_server"):
                     row[f"ttst_{name}_minus_both_ms"] = (
                         row[name]["ttst_ms"] - row["both"]["ttst_ms"]
                     )
@@ -648,13 +654,8 @@ def latency(limits: dict, log_dir: Path) -> dict:
                     row["pd"]["ttst_ms"] - row["both_routed"]["ttst_ms"]
                 )
                 row["ttft_ratio_pd_server"] = row["pd_server"]["ttft_ms"] / row["both"]["ttft_ms"]
-                server_ratios = [
-                    pd["ttft_ms"] / both["ttft_ms"]
-                    for pd, both in zip(runs["pd_server"], runs["both"], strict=True)
-                ]
-                row["ttft_ratio_pd_server_median_of_pairs"] = statistics.median(server_ratios)
-                row["ttst_pd_server_minus_both_ms"] = (
-                    row["pd_server"]["ttst_ms"] - row["both"]["ttst_ms"]
+                row["ttft_ratio_pd_server_median_of_pairs"] = statistics.median(
+                    pair_ttft_ratios(runs, "pd_server")
                 )
                 prompt = torch.randint(0, 151000, (num_input,), generator=generator).tolist()
                 colocated = greedy_token_ids(client, urls["both"], prompt, 64)
