@@ -244,8 +244,9 @@ class PiecewiseGraphs:
             self.one_seq_len.copy_(metadata.seq_lens)
             self.one_block_table[:, : metadata.block_tables.shape[1]].copy_(metadata.block_tables)
             whole_graph.replay()
-            for index in range(self.num_layers if after_layer is not None else 0):
-                after_layer(index)
+            if after_layer is not None:
+                for index in range(self.num_layers):
+                    after_layer(index)
             return self.hidden[:num_tokens]
         queries, attended = self.queries[:num_tokens], self.attended[:num_tokens]
         graphs = self.graphs[size]

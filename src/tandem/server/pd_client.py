@@ -92,7 +92,7 @@ class DisaggregatedClient:
         return self.decode.sampling_defaults
 
     def new_request_id(self) -> str:
-        return uuid.uuid4().hex
+        return self.decode.new_request_id()
 
     def _report_stats(self, engine: str, stats: dict[str, Any]) -> None:
         self._latest_stats[engine] = stats
