@@ -341,3 +341,36 @@ def test_pd_server_matches_colocated(tmp_path, tiny_checkpoints, decode_device):
         assert metric(pd_server, "tandem_kv_transfer_seconds_count") == len(prompts)
         assert metric(pd_server, "tandem_kv_transfer_failures_total") == 0
         assert_nothing_held(pd_server)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_pd_server_runs_handoffs_ahead_of_their_first_token(tmp_path):
+    """Role pd on Qwen3-0.6B's shape (random weights) with 1024-token prompts, whose prefill
+    keeps its GPU busy well after its host has queued it: the idle decode engine queues a
+    handoff's first decode step before the first token reaches the prefill's host, its input
+    token read from the prefill's GPU. The colocated worker's greedy tokens (logprobs asked,
+    which the held sample carries), also when the first token ends the request at prefill (the
+    step's sample then goes nowhere); nothing held afterwards. Whether a step runs ahead is a
+    race with the prefill's end: most must."""
+    common = ("--load-format", "dummy", "--device", "cuda:0", "--max-model-len", "4096")
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 151000, (1024,), generator=generator).tolist() for _ in range(6)]
+    with (
+        running_worker(tmp_path, *common, "--gpu-memory-utilization", "0.3", model="qwen3-0.6b")
+        as both,
+        running_worker(
+            tmp_path, *common, "--role", "pd", "--decode-device", "cuda:1",
+            "--gpu-memory-utilization", "0.2", model="qwen3-0.6b",
+        ) as pd_server,
+        httpx.Client(timeout=60) as client,
+    ):  # fmt: skip
+        for index, prompt in enumerate(prompts):
+            body = dict(greedy_body(prompt), max_tokens=16, logprobs=2, stream=index % 2 == 0)
+            if index == len(prompts) - 1:  # its first token is a stop token
+                first = run_direct(client, both.url, "/v1/completions", dict(body, max_tokens=1))
+                body["stop_token_ids"] = first.token_ids
+            body = with_defaults(body)
+            completion = post(client, f"{pd_server.url}/v1/completions", body)
+            assert completion == run_direct(client, both.url, "/v1/completions", body)
+        assert metric(pd_server, "tandem_kv_handoffs_ahead") >= len(prompts) // 2
+        assert_nothing_held(pd_server)

@@ -142,7 +142,12 @@ class EngineCore:
         """Schedule, run and update one batch, without taking finished transfers first."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.scheduler.holds_samples:
+            # A handoff ran ahead of its first token, whose announcement is most likely in by
+            # now (the step waited for the prefill's GPU): both tokens go out with this step.
+            outputs.extend(self.take_finished_transfers())
+        return outputs
 
     def shutdown(self) -> None:
         self.connector.shutdown()

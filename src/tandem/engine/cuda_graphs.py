@@ -18,7 +18,7 @@ launch shapes cover every real context. The graph ends with the logits ([size, v
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -116,8 +116,14 @@ class DecodeGraphs:
         self.inputs[:num_bytes].copy_(self.staging[:num_bytes], non_blocking=True)
         self.staging_free.record()
 
-    def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
-        """Logits [len(requests), vocab] of a decode-only batch (one token per request)."""
+    def run(
+        self,
+        requests: Sequence[ScheduledRequest],
+        write_inputs: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits [len(requests), vocab] of a decode-only batch (one token per request);
+        write_inputs(input_ids) may change the uploaded token ids on the device before the
+        replay."""
         num_seqs = len(requests)
         size = next(s for s in self.sizes if s >= num_seqs)
         block_size = self.block_size
@@ -134,5 +140,7 @@ class DecodeGraphs:
         self.staged_seq_lens[num_seqs:size] = 1
         self.staged_block_tables[num_seqs:size, 0] = 0
         self._upload(size)
+        if write_inputs is not None:
+            write_inputs(self.input_ids)
         self.graphs[size].replay()
         return self.logits[size][:num_seqs]

@@ -28,6 +28,9 @@ class ScheduledRequest:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     grammar: GrammarMatcher | None = None  # its structured output's state, if it has one
+    # A handoff's first token is still only on the prefill's GPU: token_ids holds a stand-in,
+    # which the connector replaces on the device (write_device_inputs) before the step runs.
+    first_token_on_device: bool = False
 
 
 @dataclass
@@ -67,6 +70,9 @@ class KVConnectorOutput:
     failed_recving: dict[str, str] = field(default_factory=dict)  # request id -> failure kind
     finished_sending: set[str] = field(default_factory=set)
     first_tokens: dict[str, HandedOffToken] = field(default_factory=dict)  # handoffs only
+    # Handoffs whose KV copy is queued and whose first token the decode's GPU can read from the
+    # prefill's (cuda-ipc, early announcements): they may run ahead of the announcement proper.
+    first_tokens_on_device: set[str] = field(default_factory=set)
 
 
 @dataclass

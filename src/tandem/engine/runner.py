@@ -226,6 +226,7 @@ class ModelRunner:
         graphs = self.piecewise_graphs
         padded_size = graphs.padded_size(num_tokens) if graphs is not None else None
         token_inputs, metadata, sample_rows = self.prepare(scheduler_output, padded_size)
+        self.connector.write_device_inputs(connector_meta, token_inputs[0])
         if padded_size is not None:
             between_layers = self.connector.saves_between_layers(connector_meta)
             hidden = graphs.run(token_inputs, metadata, num_tokens, after_layer, between_layers)
@@ -264,7 +265,11 @@ class ModelRunner:
         output = RunnerOutput()
         if scheduler_output.requests:
             if self._graph_can_run(scheduler_output):
-                logits = self.decode_graphs.run(scheduler_output.requests)
+
+                def write_inputs(input_ids: torch.Tensor) -> None:
+                    self.connector.write_device_inputs(connector_meta, input_ids)
+
+                logits = self.decode_graphs.run(scheduler_output.requests, write_inputs)
             else:
                 hidden, sample_rows = self._forward(scheduler_output)
                 logits = None
@@ -276,7 +281,11 @@ class ModelRunner:
             self.connector.wait_for_save(connector_meta)
             to_sample = [r for r in scheduler_output.requests if r.sample]
             if to_sample:
-                token_ids, logprobs = self.sampler(logits, to_sample)
+
+                def sampled_on_device(token_ids: torch.Tensor) -> None:
+                    self.connector.sampled_on_device(connector_meta, to_sample, token_ids)
+
+                token_ids, logprobs = self.sampler(logits, to_sample, sampled_on_device)
                 for request, token_id, lp in zip(to_sample, token_ids, logprobs, strict=True):
                     output.sampled_token_ids[request.request_id] = token_id
                     if lp is not None:

@@ -15,7 +15,7 @@ masks).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import torch
@@ -45,9 +45,13 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[ScheduledRequest],
+        on_device: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [N, vocab] float32, one row per request in `requests`."""
+        """logits: [N, vocab] float32, one row per request in `requests`. on_device gets the
+        sampled ids on the device ([N], int64) before the host waits for them."""
         num_rows = logits.shape[0]
         device = logits.device
         raw_logprobs = None
@@ -85,6 +89,8 @@ class Sampler:
             drawn = (probs / noise).argmax(dim=-1)
             sampled = torch.where(greedy, sampled, drawn)
 
+        if on_device is not None:
+            on_device(sampled)
         token_ids = sampled.tolist()
         if grammars is not None:
             follow_sampled(grammars, token_ids)

@@ -10,6 +10,12 @@ With a KV connector (PD), a waiting request may have its prompt's KV elsewhere: 
 blocks, waits in WAITING_FOR_REMOTE_KV (outside the batch) until the connector reports the load,
 then those tokens count as computed. A finished request whose KV a remote decoder will read keeps
 its blocks until the connector reports that it is done with them.
+
+A handoff whose first token the decode's GPU can read from the prefill's (the connector reports
+it in `first_tokens_on_device`) may run ahead of the prefill's announcement of that token: on an
+otherwise idle engine it is scheduled at once, a stand-in in the token's place that the
+connector replaces on the device, so its step waits on the GPU, not on the host. Its sample is
+held back until the announcement proper brings the first token, which is output first.
 """
 
 from __future__ import annotations
@@ -26,9 +32,21 @@ from tandem.engine.outputs import (
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from tandem.engine.request import Request, RequestStatus
 from tandem.kv.base import KVConnector, NoKVConnector, is_pending_handoff
+
+FIRST_TOKEN_STAND_IN = 0  # a run-ahead handoff's first token until the prefill announces it
+
+
+@dataclass(frozen=True)
+class HeldSample:
+    """A run-ahead handoff's sample, held until its first token is known."""
+
+    num_computed: int
+    token_id: int
+    logprobs: TokenLogprobs | None
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
         self.held_for_remote: set[str] = set()  # finished, blocks kept for a remote reader
+        # Handoffs running ahead of their first token, with their sample once their step ran.
+        self.ahead_of_first_token: dict[str, HeldSample | None] = {}
         self.num_preemptions = 0
 
     # -- requests in and out -------------------------------------------------------------------
@@ -96,6 +116,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self.ahead_of_first_token.get(request.request_id) is not None:
+                index += 1  # its next input is known only once its first token is
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -159,37 +182,59 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(item.token_ids)
-            self.kv.cache_computed_blocks(request)
             if (prompt_part := runner_output.prompt_logprobs.get(item.request_id)) is not None:
                 first, entries = prompt_part
                 recorded = len(request.prompt_logprobs) + 1  # prompt tokens 1 .. recorded - 1
                 if first <= recorded:  # a recomputed prompt (after preemption) adds nothing
                     request.prompt_logprobs.extend(entries[recorded - first :])
             token_id = runner_output.sampled_token_ids.get(item.request_id)
-            if token_id is None:
-                continue
-            request.output_token_ids.append(token_id)
             logprobs = runner_output.logprobs.get(item.request_id)
-            status = request.check_stop()
-            if status is None:
-                output = EngineCoreOutput(
-                    request.request_id,
-                    [token_id],
-                    [logprobs] if logprobs else None,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=request.num_cached_tokens,
-                )
-            else:
-                self.running.remove(request)
-                output = self._finish(request, status)
-                output.new_token_ids = [token_id]
-                output.new_logprobs = [logprobs] if logprobs else None
-            wants_prompt = request.sampling_params.prompt_logprobs is not None
-            if wants_prompt and request.num_output_tokens == 1:
-                output.prompt_logprobs = [None, *request.prompt_logprobs]
-            outputs.append(output)
+            if item.request_id in self.ahead_of_first_token:
+                sample = HeldSample(len(item.token_ids), token_id, logprobs)
+                self.ahead_of_first_token[item.request_id] = sample
+                continue
+            output = self._advance(request, len(item.token_ids), token_id, logprobs)
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    @property
+    def holds_samples(self) -> bool:
+        """Whether a run-ahead handoff's sample waits for its first token."""
+        return any(sample is not None for sample in self.ahead_of_first_token.values())
+
+    def _advance(
+        self,
+        request: Request,
+        num_computed: int,
+        token_id: int | None,
+        logprobs: TokenLogprobs | None,
+    ) -> EngineCoreOutput | None:
+        """A step computed `num_computed` more of the request's tokens and maybe sampled the
+        next: count them, cache their full blocks, and take the token (None: a chunk)."""
+        request.num_computed_tokens += num_computed
+        self.kv.cache_computed_blocks(request)
+        if token_id is None:
+            return None
+        request.output_token_ids.append(token_id)
+        status = request.check_stop()
+        if status is None:
+            output = EngineCoreOutput(
+                request.request_id,
+                [token_id],
+                [logprobs] if logprobs else None,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+        else:
+            self.running.remove(request)
+            output = self._finish(request, status)
+            output.new_token_ids = [token_id]
+            output.new_logprobs = [logprobs] if logprobs else None
+        wants_prompt = request.sampling_params.prompt_logprobs is not None
+        if wants_prompt and request.num_output_tokens == 1:
+            output.prompt_logprobs = [None, *request.prompt_logprobs]
+        return output
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -206,6 +251,8 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             grammar=request.grammar,
+            first_token_on_device=start == request.num_prompt_tokens
+            and request.request_id in self.ahead_of_first_token,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -224,6 +271,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.waiting_for_remote.pop(request.request_id, None)
+        self.ahead_of_first_token.pop(request.request_id, None)
         block_ids = self.kv.block_ids(request.request_id)
         delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
         if delay_free:
@@ -284,6 +332,11 @@ class Scheduler:
             request = self.waiting_for_remote.get(request_id)
             if request is not None:
                 outputs.append(self._take_handed_off_token(request, handed_off))
+            elif (
+                request_id in self.ahead_of_first_token
+                and request_id not in connector_output.failed_recving
+            ):
+                outputs.extend(self._catch_up(self.requests[request_id], handed_off))
         for request_id in connector_output.finished_recving:
             request = self.waiting_for_remote.pop(request_id, None)
             if request is None:
@@ -292,7 +345,10 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         for request_id, kind in connector_output.failed_recving.items():
-            request = self.waiting_for_remote.get(request_id)
+            ran_ahead = request_id in self.ahead_of_first_token  # its first step may have run
+            request = (
+                self.requests[request_id] if ran_ahead else self.waiting_for_remote.get(request_id)
+            )
             if request is None:
                 continue
             # Recomputing needs the first token the client was sent: a handoff whose prefill
@@ -300,7 +356,7 @@ class Scheduler:
             unannounced = request_id not in connector_output.first_tokens and is_pending_handoff(
                 request.kv_transfer_params
             )
-            if self.connector.recompute_on_failure and not unannounced:
+            if self.connector.recompute_on_failure and not unannounced and not ran_ahead:
                 # Start over as after a preemption: the blocks the load was to fill hold nothing
                 # valid, and a retry with prefix hits must get a block table that starts with them.
                 del self.waiting_for_remote[request_id]
@@ -312,4 +368,42 @@ class Scheduler:
                 output = self._finish(request, RequestStatus.FINISHED_ERROR)
                 output.error = f"the KV transfer from the prefill worker failed ({kind})"
                 outputs.append(output)
+        for request_id in connector_output.first_tokens_on_device:
+            request = self.waiting_for_remote.get(request_id)
+            if request is not None and self._can_run_ahead(request):
+                del self.waiting_for_remote[request_id]
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                self.ahead_of_first_token[request_id] = None
         return outputs
+
+    def _can_run_ahead(self, request: Request) -> bool:
+        """Whether a handoff whose first token is only on the device may be scheduled now, with a
+        stand-in for it: only on an idle engine (its step waits on the GPU for the prefill's,
+        which other requests' steps must not), only when the sampler needs no earlier token on
+        the host (penalties, a grammar), and only with the block of its first decode step
+        allocated here, so that it is never preempted (it could not be recomputed without that
+        token; newer requests are preempted first, and there are none older)."""
+        if self.running or self.waiting or request.max_output_tokens < 2:
+            return False
+        if request.grammar is not None or request.sampling_params.penalizes_history:
+            return False
+        num_local = request.num_computed_tokens
+        request.output_token_ids.append(FIRST_TOKEN_STAND_IN)
+        request.num_computed_tokens = request.num_prompt_tokens
+        if self.kv.allocate_slots(request, 1):
+            return True
+        request.output_token_ids.pop()
+        request.num_computed_tokens = num_local
+        return False
+
+    def _catch_up(self, request: Request, handed_off: HandedOffToken) -> list[EngineCoreOutput]:
+        """A run-ahead handoff's first token, announced: it takes the stand-in's place and is
+        output, then the sample its step held back, if the step ran."""
+        sample = self.ahead_of_first_token.pop(request.request_id)
+        request.output_token_ids.pop()
+        output = self._take_handed_off_token(request, handed_off)
+        if output.finished or sample is None:
+            return [output]
+        taken = self._advance(request, sample.num_computed, sample.token_id, sample.logprobs)
+        return [output] if taken is None else [output, taken]

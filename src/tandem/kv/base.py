@@ -12,6 +12,11 @@ Worker side (called by the model runner around the forward pass):
     saves_between_layers(metadata) -> bool   whether those saves gain from running between the
                                         layers (else they may all run after the whole pass)
     wait_for_save(metadata)             after the forward pass
+    sampled_on_device(metadata, requests, token_ids)   once the step's tokens are sampled on
+                                        the device, before the host reads them
+    write_device_inputs(metadata, input_ids)   before the forward pass, once its inputs are on
+                                        the device: tokens that are only on a device (a
+                                        handoff's first token on the prefill's GPU)
     get_finished() -> KVConnectorOutput loads done or failed, remote readers done
     set_wakeup(callback)                called from a transport thread whenever get_finished
                                         has something new, so an idle engine loop wakes at once
@@ -77,6 +82,14 @@ class KVConnector:
         return False
 
     def wait_for_save(self, metadata: Any) -> None:
+        return None
+
+    def sampled_on_device(
+        self, metadata: Any, requests: Sequence[ScheduledRequest], token_ids: torch.Tensor
+    ) -> None:
+        return None
+
+    def write_device_inputs(self, metadata: Any, input_ids: torch.Tensor) -> None:
         return None
 
     def get_finished(self) -> KVConnectorOutput | None:

@@ -43,15 +43,22 @@ stream order, and schedules the request in that step: no thread waits for the co
 to the first decode step. A confirmation thread waits for the copy's end, records the
 transfer's time and confirms.
 
-Early handoffs (cuda-ipc): a decode worker that waits already when the prefill's
-last layer has queued its KV on the GPU gets an early announcement then, ahead of the first
-token: the blocks, and a CUDA IPC event recorded after that layer (one of a few the prefill
-worker creates at start and reuses). Its engine thread queues the copy behind that event at
-once, so the copy's host work overlaps the end of the prefill; the announcement proper (first
-token, or why the prefill gave up) follows on the same connection, and only with it is the load
-reported. The decode stream's work waits for the copy from then on, not before (the copy waits
-for another process's GPU work). A prefill that gives up after an early announcement keeps its
-blocks until the decode worker lets go of them; a launched copy is always confirmed once done.
+Early handoffs (cuda-ipc): a decode worker that waits already when the prefill has queued its
+whole pass and the first token's sampling on the GPU gets an early announcement then, ahead of
+the first token on the host: the blocks, a slot of the prefill worker's first-token buffer (on
+its GPU, mapped by the decode worker like the cache) into which the sampled token is copied,
+and a CUDA IPC event recorded after that copy (slot and event are one of a few pairs the
+prefill worker sets up at start and reuses in turn). The decode's engine thread queues the
+block copy behind that event at once, so the copy's host work overlaps the end of the prefill;
+the announcement proper (first token, or why the prefill gave up) follows on the same
+connection, and only with it is the load reported. The decode stream's work waits for the copy
+from then on, not before (the copy waits for another process's GPU work), with one exception:
+an idle decode engine may run the request's first decode step ahead of the announcement proper
+(`first_tokens_on_device`, see the scheduler), its input token read from the prefill's slot on
+the GPU behind the copy (`write_device_inputs`): the step then starts as the copy ends, not
+after the first token's round trip through both hosts. A prefill that gives up after an early
+announcement keeps its blocks until the decode worker lets go of them; a launched copy is
+always confirmed once done.
 
 Blocks of remote and local caches line up one to one: remote block k holds prompt tokens
 [k * block_size, (k + 1) * block_size), the same tokens as local block k of the request.
@@ -113,6 +120,7 @@ class ReadyCopy:
     handed_off: HandedOffToken | None
     started: float  # time.monotonic() when the transfer's time starts
     after: torch.cuda.Event | None = None  # early: the prefill's event the copy waits for
+    first_token: torch.Tensor | None = None  # early: the prefill's slot of it, mapped here
     announced: bool = True  # early: False until the announcement proper is in
     launched: bool = False  # the engine thread has queued the copy (or given it up)
     failure: str | None = None
@@ -124,6 +132,8 @@ class ReadyCopy:
 class ConnectorMetadata:
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    # run-ahead handoffs: (index of the first token's stand-in in the step's inputs, request id)
+    device_inputs: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -201,6 +211,7 @@ class PDConnector(KVConnector):
                 "kv_bytes_received",
                 "kv_blocks_received",
                 "kv_handoffs_early",
+                "kv_handoffs_ahead",
             ),
             0,
         )
@@ -211,6 +222,11 @@ class PDConnector(KVConnector):
         self.ipc_handle: str | None = None
         self.ready_events: list[tuple[torch.cuda.Event, bytes]] = []  # cuda-ipc prefill: early
         self.next_ready_event = 0
+        self.first_token_slots: torch.Tensor | None = None  # ... and the slots beside them
+        self.first_token_handle: str | None = None
+        self.remote_first_tokens: dict[str, torch.Tensor] = {}  # engine id -> mapped slots
+        self.first_tokens_on_device: set[str] = set()  # reports: copies queued ahead
+        self.ahead_copies: dict[str, ReadyCopy] = {}  # ... kept for write_device_inputs
         self.remote_caches: dict[str, torch.Tensor] = {}  # cuda-ipc: engine id -> mapped cache
         self.remote_events: dict[bytes, torch.cuda.Event] = {}  # opened prefill ready events
         self.block_copier = None  # cuda-ipc, decode side: queues the copies into kv_cache
@@ -288,13 +304,19 @@ class PDConnector(KVConnector):
             if item.sample and item.output_index == 0 and item.request_id in self.remote_decode
         ]
         loads, self.new_loads = self.new_loads, []
-        return ConnectorMetadata(saves, loads)
+        device_inputs, offset = [], 0
+        for item in scheduled:
+            if item.first_token_on_device:
+                device_inputs.append((offset, item.request_id))
+            offset += len(item.token_ids)
+        return ConnectorMetadata(saves, loads, device_inputs)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self.load_attempted.discard(request_id)
+        self.ahead_copies.pop(request_id, None)
         with self.lock:
             if request_id in self.loading:  # the load thread still writes into these blocks
                 self.abandoned_loads.add(request_id)
@@ -386,6 +408,10 @@ class PDConnector(KVConnector):
             with torch.cuda.device(self.device):
                 events = [torch.cuda.Event(interprocess=True) for _ in range(READY_EVENTS)]
                 self.ready_events = [(event, bytes(event.ipc_handle())) for event in events]
+            self.first_token_slots = torch.zeros(
+                READY_EVENTS, dtype=torch.int64, device=self.device
+            )
+            self.first_token_handle = export_handle(self.first_token_slots)
         if self.gpu_direct and self.config.loads_kv:
             from tandem.kv.cuda_ipc import BlockCopier
 
@@ -398,9 +424,7 @@ class PDConnector(KVConnector):
         for spec in metadata.saves:
             if layer_index == 0:
                 self._publish(spec)
-            if self.gpu_direct:  # decode reads the cache itself
-                if layer_index == self.kv_spec.num_layers - 1:
-                    self._announce_early(spec)
+            if self.gpu_direct:  # decode reads the cache itself, announced once sampled
                 continue
             lease = self.leases.get(spec.request_id)
             if lease is None:
@@ -441,9 +465,22 @@ class PDConnector(KVConnector):
             self.leases[spec.request_id] = lease
         self.server.publish(spec.request_id, staging, wait_layer)
 
-    def _announce_early(self, spec: SaveSpec) -> None:
-        """cuda-ipc: the prompt's KV is all queued on the GPU. A decode worker that waits for
-        this handoff already gets the blocks now, with an event to queue its copy behind."""
+    def sampled_on_device(
+        self,
+        metadata: ConnectorMetadata | None,
+        requests: Sequence[ScheduledRequest],
+        token_ids: torch.Tensor,
+    ) -> None:
+        """cuda-ipc: a prompt's KV and its first token are queued on the GPU: announce early."""
+        if metadata is None or not metadata.saves or not self.gpu_direct:
+            return
+        rows = {request.request_id: row for row, request in enumerate(requests)}
+        for spec in metadata.saves:
+            self._announce_early(spec, token_ids[rows[spec.request_id]])
+
+    def _announce_early(self, spec: SaveSpec, first_token: torch.Tensor) -> None:
+        """A decode worker that waits for this handoff already gets the blocks now, with the
+        slot the first token is copied into and an event to queue its work behind."""
         request = self.remote_decode.get(spec.request_id)
         handoff_id = self._handoff_id(request) if request is not None else None
         if handoff_id is None:
@@ -455,10 +492,17 @@ class PDConnector(KVConnector):
             lease.transferable = True  # a hold may come with the early announcement
 
         def message() -> dict[str, Any]:  # sent now, or kept for a decode worker yet to wait
-            event, handle = self.ready_events[self.next_ready_event]
-            self.next_ready_event = (self.next_ready_event + 1) % len(self.ready_events)
+            slot = self.next_ready_event
+            self.next_ready_event = (slot + 1) % len(self.ready_events)
+            event, handle = self.ready_events[slot]
+            self.first_token_slots[slot].copy_(first_token)
             event.record(torch.cuda.current_stream(self.device))
-            return dict(self._transfer_params(request, spec.block_ids), kv_ready_event=handle)
+            return dict(
+                self._transfer_params(request, spec.block_ids),
+                kv_ready_event=handle,
+                kv_first_token_slots=self.first_token_handle,
+                kv_first_token_slot=slot,
+            )
 
         if not self.server.announce_early(handoff_id, spec.request_id, message):
             with self.lock:
@@ -496,6 +540,7 @@ class PDConnector(KVConnector):
                     ready = ReadyCopy(spec, hold, remote_cache, handed_off, started)
                     if hold.announcement_pending:
                         ready.after = self._remote_event(spec.remote)
+                        ready.first_token = self._remote_first_token(spec.remote)
                         ready.announced = False
                     with self.lock:
                         self.ready_copies.append(ready)
@@ -668,6 +713,20 @@ class PDConnector(KVConnector):
             self.remote_events[handle] = torch.cuda.Event.from_ipc_handle(self.device, handle)
         return self.remote_events[handle]
 
+    def _remote_first_token(self, remote: dict[str, Any]) -> torch.Tensor | None:
+        """The slot of the prefill's first-token buffer an early announcement names, mapped
+        on our GPU (the buffer on its first use); None from a prefill that names none."""
+        handle = remote.get("kv_first_token_slots")
+        if handle is None:
+            return None
+        from tandem.kv.cuda_ipc import open_handle
+
+        engine_id = remote["remote_engine_id"]
+        if engine_id not in self.remote_first_tokens:
+            self.remote_first_tokens[engine_id] = open_handle(handle, self.device)
+        slot = int(remote["kv_first_token_slot"])
+        return self.remote_first_tokens[engine_id][slot : slot + 1]
+
     def _start_ready_copies(self) -> None:
         """Engine thread: queue the copies of the held GPU-direct loads on the GPU and report
         them loaded (an early one once its announcement proper is in too); a load whose request
@@ -693,8 +752,24 @@ class PDConnector(KVConnector):
                 copy.failure = copy.failure or failure
                 copy.launched = True
                 announced = copy.announced
+                ahead = not (announced or skip or copy.failure) and copy.first_token is not None
             if announced:
                 self._finish_copy(copy)
+            elif ahead:  # the request's first step may run before the announcement proper
+                self.ahead_copies[spec.request_id] = copy
+                self.first_tokens_on_device.add(spec.request_id)
+
+    def write_device_inputs(self, metadata: ConnectorMetadata | None, input_ids: torch.Tensor):
+        """Put the first tokens of this step's run-ahead handoffs in their stand-ins' places,
+        read from the prefill's GPU once their KV copies are done (the step waits for them)."""
+        if metadata is None or not metadata.device_inputs:
+            return
+        for offset, request_id in metadata.device_inputs:
+            copy = self.ahead_copies.pop(request_id)
+            self.engine_stream.wait_event(copy.events[1] if copy.events else copy.after)
+            input_ids[offset : offset + 1].copy_(copy.first_token)
+        with self.lock:
+            self.counters["kv_handoffs_ahead"] += len(metadata.device_inputs)
 
     def _finish_copy(self, copy: ReadyCopy) -> None:
         """Report a GPU-direct load whose copy is queued (unless given up) and whose first
@@ -775,13 +850,22 @@ class PDConnector(KVConnector):
             logger.info("KV lease of %s expired", request_id)
             self._end_lease(request_id, report=True)
         with self.lock:
-            if not (self.finished_sending or self.finished_recving or self.failed_recving):
+            if not (
+                self.finished_sending
+                or self.finished_recving
+                or self.failed_recving
+                or self.first_tokens_on_device
+            ):
                 return None
             output = KVConnectorOutput(
-                self.finished_recving, self.failed_recving, self.finished_sending, self.first_tokens
+                self.finished_recving,
+                self.failed_recving,
+                self.finished_sending,
+                self.first_tokens,
+                self.first_tokens_on_device,
             )
             self.finished_recving, self.failed_recving, self.finished_sending = set(), {}, set()
-            self.first_tokens = {}
+            self.first_tokens, self.first_tokens_on_device = {}, set()
         return output
 
     # -- both sides ------------------------------------------------------------------------------

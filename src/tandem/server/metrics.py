@@ -32,6 +32,10 @@ STAT_GAUGES = {
         "tandem_kv_handoffs_early",
         "Handoffs announced before their first token (cuda-ipc)",
     ),
+    "kv_handoffs_ahead": (
+        "tandem_kv_handoffs_ahead",
+        "Handoffs whose first decode step ran before their first token was announced (cuda-ipc)",
+    ),
 }
 
 
