@@ -667,6 +667,12 @@ def latency(limits: dict, log_dir: Path) -> dict:
             # streamed PD requests that went through the handoff flow
             handoffs = "tandem_router_handoffs_total"
             results["router_handoffs"] = metric_totals(client, urls["pd"], [handoffs])[handoffs]
+            # handoffs whose first decode step ran before their first token's announcement
+            ahead = "tandem_kv_handoffs_ahead"
+            results["handoffs_ahead"] = {
+                server: metric_totals(client, urls[server], [ahead])[ahead]
+                for server in ("decode", "pd_server")
+            }
         return results
     finally:
         stop_processes(processes.values())

@@ -39,11 +39,19 @@ TRACED = [
     ("tandem.kv.connector", "PDConnector._await_announcement", False),
     ("tandem.kv.connector", "PDConnector._start_ready_copies", False),
     ("tandem.kv.connector", "PDConnector._finish_copy", False),
+    ("tandem.kv.connector", "PDConnector.write_device_inputs", False),
+    ("tandem.engine.core", "EngineCore.take_finished_transfers", False),
+    ("tandem.engine.cuda_graphs", "DecodeGraphs.run", False),
     ("tandem.kv.tcp_transport", "TcpKVServer.announce", False),
     ("tandem.kv.tcp_transport", "TcpKVServer._serve_await", False),
     ("tandem.kv.tcp_transport", "TcpKVClient.await_held_announcement", False),
     ("tandem.kv.tcp_transport", "_TcpTransferHold.announcement", False),
     ("tandem.kv.cuda_ipc", "BlockCopier.launch", False),
+    ("tandem.engine.input_staging", "InputStaging.upload", False),
+    ("tandem.kv.cuda_ipc", "copy_blocks_kernel", False),
+    ("torch.cuda.streams", "Stream.wait_event", False),
+    ("torch.cuda.streams", "Stream.wait_stream", False),
+    ("torch.cuda.streams", "Event.record", False),
 ]
 
 
