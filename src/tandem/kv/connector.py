@@ -698,12 +698,19 @@ class PDConnector(KVConnector):
 
     def _remote_cache(self, remote: dict[str, Any]) -> torch.Tensor:
         """The prefill worker's KV cache, mapped on its first transfer."""
+        return self._mapped(self.remote_caches, remote, "kv_ipc_handle")
+
+    def _mapped(
+        self, mappings: dict[str, torch.Tensor], remote: dict[str, Any], handle_key: str
+    ) -> torch.Tensor:
+        """A tensor of the prefill worker's that `remote[handle_key]` exports over CUDA IPC,
+        mapped on our GPU on its first use (kept in `mappings`, by prefill engine)."""
         from tandem.kv.cuda_ipc import open_handle
 
         engine_id = remote["remote_engine_id"]
-        if engine_id not in self.remote_caches:
-            self.remote_caches[engine_id] = open_handle(remote["kv_ipc_handle"], self.device)
-        return self.remote_caches[engine_id]
+        if engine_id not in mappings:
+            mappings[engine_id] = open_handle(remote[handle_key], self.device)
+        return mappings[engine_id]
 
     def _remote_event(self, remote: dict[str, Any]) -> torch.cuda.Event:
         """The prefill's event an early copy waits for, opened on its first use, on our GPU (a
@@ -716,16 +723,11 @@ class PDConnector(KVConnector):
     def _remote_first_token(self, remote: dict[str, Any]) -> torch.Tensor | None:
         """The slot of the prefill's first-token buffer an early announcement names, mapped
         on our GPU (the buffer on its first use); None from a prefill that names none."""
-        handle = remote.get("kv_first_token_slots")
-        if handle is None:
+        if "kv_first_token_slots" not in remote:
             return None
-        from tandem.kv.cuda_ipc import open_handle
-
-        engine_id = remote["remote_engine_id"]
-        if engine_id not in self.remote_first_tokens:
-            self.remote_first_tokens[engine_id] = open_handle(handle, self.device)
+        slots = self._mapped(self.remote_first_tokens, remote, "kv_first_token_slots")
         slot = int(remote["kv_first_token_slot"])
-        return self.remote_first_tokens[engine_id][slot : slot + 1]
+        return slots[slot : slot + 1]
 
     def _start_ready_copies(self) -> None:
         """Engine thread: queue the copies of the held GPU-direct loads on the GPU and report
