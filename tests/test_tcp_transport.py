@@ -709,7 +709,7 @@ def test_an_early_announcement_holds_and_the_announcement_follows(make_server, c
     server.publish("gpu", [])
     waiter, received = wait_with_hold(client, server, "h", early=True)
     early = {"remote_request_id": "gpu", "remote_block_ids": [4, 2]}
-    assert server.announce_early("h", "gpu", lambda: early)
+    assert server.announce_early("h", "gpu", early)
     waiter.join(5.0)
     [(message, hold)] = received
     assert message == early and hold.announcement_pending
@@ -718,6 +718,50 @@ def test_an_early_announcement_holds_and_the_announcement_follows(make_server, c
     assert hold.announcement() == {"first_token_id": 7}
     assert not hold.announcement_pending
     assert_release_ends_the_transfer(hold, server, client, done)
+
+
+def test_further_early_announcements_come_before_the_announcement_proper(make_server, client):
+    """What the prefill queues after the early announcement reaches the decode that got it as
+    further early announcements, in order, ahead of the announcement proper."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    waiter, received = wait_with_hold(client, server, "h", early=True)
+    assert server.announce_early("h", "gpu", {"remote_request_id": "gpu"})
+    waiter.join(5.0)
+    [(message, hold)] = received
+    assert message == {"remote_request_id": "gpu"} and hold.announcement_pending
+    assert server.announce_more("h", {"token_event": 1})
+    assert server.announce_more("h", {"token_event": 2})
+    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
+    assert hold.announcement() == {"token_event": 1} and hold.announcement_pending
+    assert hold.announcement() == {"token_event": 2} and hold.announcement_pending
+    assert hold.announcement() == {"first_token_id": 7} and not hold.announcement_pending
+    assert_release_ends_the_transfer(hold, server, client, done)
+
+
+def test_a_further_early_announcement_joins_the_kept_one_or_goes_nowhere(make_server, client):
+    """Before any decode waits, a further early announcement is added to the kept early
+    message; with no early announcement made, or after the announcement proper, it is not
+    sent (False)."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    assert not server.announce_more("h", {"token_event": 1})  # nothing announced early
+    assert server.announce_early("h", "gpu", {"remote_request_id": "gpu"})
+    assert server.announce_more("h", {"token_event": 1})
+    [(message, hold)] = late_wait(client, server, "h")
+    assert message == {"remote_request_id": "gpu", "token_event": 1}
+    assert hold.announcement_pending
+    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
+    assert not server.announce_more("h", {"token_event": 2})  # after the proper: nowhere
+    assert hold.announcement() == {"first_token_id": 7} and not hold.announcement_pending
+    assert_release_ends_the_transfer(hold, server, client, done)
+    server.publish("plain", [])
+    assert server.announce_early("plain", "plain", {"n": 0})
+    server.announce("plain", {"n": 1})
+    assert not server.announce_more("plain", {"token_event": 3})  # the proper came first
+    assert client.await_announcement("127.0.0.1", server.port, "plain", timeout=5.0) == {"n": 1}
 
 
 def test_an_early_announcement_needs_an_early_waiter_and_a_hold(make_server, client):
@@ -729,12 +773,12 @@ def test_an_early_announcement_needs_an_early_waiter_and_a_hold(make_server, cli
     server.publish("ended", [])
     owner.ended.add("ended")
     waiter, received = wait_with_hold(client, server, "plain")
-    assert not server.announce_early("plain", "gpu", lambda: {"n": 0})
+    assert not server.announce_early("plain", "gpu", {"n": 0})
     server.announce("plain", {"n": 1})
     waiter.join(5.0)
     assert received == [({"n": 1}, None)]
     waiter, received = wait_with_hold(client, server, "refused", early=True)
-    assert not server.announce_early("refused", "ended", lambda: {"n": 0})
+    assert not server.announce_early("refused", "ended", {"n": 0})
     server.announce("refused", {"n": 2})
     waiter.join(5.0)
     assert received == [({"n": 2}, None)]
@@ -756,7 +800,7 @@ def test_an_early_announcement_waits_for_a_decode_that_comes_later(make_server, 
     server, done = make_server(on_transfer_held=owner)
     server.publish("gpu", [])
     early = {"remote_request_id": "gpu", "remote_block_ids": [4, 2]}
-    assert server.announce_early("h", "gpu", lambda: early)
+    assert server.announce_early("h", "gpu", early)
     assert owner.held == [] and server.early_announcements == 0  # kept, not sent
     [(message, hold)] = late_wait(client, server, "h")
     assert message == early and hold.announcement_pending and owner.held == ["gpu"]
@@ -773,12 +817,12 @@ def test_a_kept_early_announcement_is_not_for_late_or_plain_waits(make_server, c
     owner = HoldOwner()
     server, done = make_server(on_transfer_held=owner)
     server.publish("gpu", [])
-    assert server.announce_early("after", "gpu", lambda: {"n": 0})
+    assert server.announce_early("after", "gpu", {"n": 0})
     server.announce("after", {"first_token_id": 7}, transfer_id="gpu")
     [(message, hold)] = late_wait(client, server, "after")
     assert message == {"first_token_id": 7} and not hold.announcement_pending
     assert_release_ends_the_transfer(hold, server, client, done)
-    assert server.announce_early("plain", "other", lambda: {"n": 0})
+    assert server.announce_early("plain", "other", {"n": 0})
     waiter, received = wait_with_hold(client, server, "plain", early=False)
     server.announce("plain", {"n": 1})
     waiter.join(5.0)
@@ -797,7 +841,7 @@ def test_the_announcement_proper_during_a_kept_early_ones_send_follows_it(make_s
 
     server, done = make_server(on_transfer_held=hold_while_announcing)
     server.publish("gpu", [])
-    assert server.announce_early("h", "gpu", lambda: {"remote_request_id": "gpu"})
+    assert server.announce_early("h", "gpu", {"remote_request_id": "gpu"})
     [(message, hold)] = late_wait(client, server, "h")
     assert message == {"remote_request_id": "gpu"} and hold.announcement_pending
     assert hold.announcement() == {"first_token_id": 7}
@@ -813,7 +857,7 @@ def test_a_kept_early_announcement_the_owner_refuses_leaves_the_announcement_pro
     server, done = make_server(on_transfer_held=owner)
     server.publish("ended", [])
     owner.ended.add("ended")
-    assert server.announce_early("h", "ended", lambda: {"n": 0})
+    assert server.announce_early("h", "ended", {"n": 0})
     waiter, received = wait_with_hold(client, server, "h", early=True)
     server.announce("h", {"error": "the prefill ended without its KV"})
     waiter.join(5.0)
@@ -829,7 +873,7 @@ def test_a_decode_that_leaves_after_an_early_announcement_lets_go(make_server, c
     server, done = make_server(on_transfer_held=owner)
     server.publish("gpu", [])
     waiter, received = wait_with_hold(client, server, "h", early=True)
-    assert server.announce_early("h", "gpu", lambda: {"remote_request_id": "gpu"})
+    assert server.announce_early("h", "gpu", {"remote_request_id": "gpu"})
     waiter.join(5.0)
     [(_, hold)] = received
     if how == "abandon":

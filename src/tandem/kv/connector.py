@@ -44,21 +44,22 @@ to the first decode step. A confirmation thread waits for the copy's end, record
 transfer's time and confirms.
 
 Early handoffs (cuda-ipc): a decode worker that waits already when the prefill has queued its
-whole pass and the first token's sampling on the GPU gets an early announcement then, ahead of
-the first token on the host: the blocks, a slot of the prefill worker's first-token buffer (on
-its GPU, mapped by the decode worker like the cache) into which the sampled token is copied,
-and a CUDA IPC event recorded after that copy (slot and event are one of a few pairs the
-prefill worker sets up at start and reuses in turn). The decode's engine thread queues the
-block copy behind that event at once, so the copy's host work overlaps the end of the prefill;
-the announcement proper (first token, or why the prefill gave up) follows on the same
+whole pass on the GPU gets an early announcement then, ahead of the first token: the blocks, a
+CUDA IPC event recorded after the last layer, and a slot of the prefill worker's first-token
+buffer (on its GPU, mapped by the decode worker like the cache). Its engine thread queues the
+block copy behind that event at once, so the copy's host work overlaps the prefill's last
+layers and sampling. Once the first token's sampling is queued too, the sampled token is copied
+into the slot and a second IPC event recorded after it, which a further early announcement
+names (slot and events are one of a few sets the prefill worker makes at start and reuses in
+turn). The announcement proper (first token, or why the prefill gave up) follows on the same
 connection, and only with it is the load reported. The decode stream's work waits for the copy
 from then on, not before (the copy waits for another process's GPU work), with one exception:
-an idle decode engine may run the request's first decode step ahead of the announcement proper
-(`first_tokens_on_device`, see the scheduler), its input token read from the prefill's slot on
-the GPU behind the copy (`write_device_inputs`): the step then starts as the copy ends, not
-after the first token's round trip through both hosts. A prefill that gives up after an early
-announcement keeps its blocks until the decode worker lets go of them; a launched copy is
-always confirmed once done.
+once the token's event is known, an idle decode engine may run the request's first decode step
+ahead of the announcement proper (`first_tokens_on_device`, see the scheduler), its input token
+read from the prefill's slot on the GPU behind the copy and that event (`write_device_inputs`):
+the step then starts as the prefill's GPU is done, not after the first token's round trip
+through both hosts. A prefill that gives up after an early announcement keeps its blocks until
+the decode worker lets go of them; a launched copy is always confirmed once done.
 
 Blocks of remote and local caches line up one to one: remote block k holds prompt tokens
 [k * block_size, (k + 1) * block_size), the same tokens as local block k of the request.
@@ -86,7 +87,7 @@ from tandem.kv.transport import KVTransferError, TransferHold, TransportFault
 logger = logging.getLogger(__name__)
 
 LOAD_THREADS = 4
-READY_EVENTS = 32  # cuda-ipc prefill: IPC events for early announcements, reused in turn
+EARLY_SLOTS = 32  # cuda-ipc prefill: IPC events and token slots of early announcements
 # GPU-direct confirmations get threads of their own: on the load threads they could queue behind
 # handoffs that wait for prefills, which may themselves wait for the blocks those confirmations
 # free.
@@ -109,6 +110,18 @@ class LoadSpec:
 
 
 @dataclass
+class EarlySlot:
+    """cuda-ipc prefill: what one early announcement names, reused in turn: IPC events (and
+    their handles) recorded after the prompt's last layer and after its first token's copy into
+    the slot of the first-token buffer of the same index."""
+
+    kv_event: torch.cuda.Event
+    kv_handle: bytes
+    token_event: torch.cuda.Event
+    token_handle: bytes
+
+
+@dataclass
 class ReadyCopy:
     """A GPU-direct load whose hold is in: the engine thread queues its copy. An early one
     is reported once both its copy is queued and its announcement proper is in, by whichever
@@ -121,6 +134,7 @@ class ReadyCopy:
     started: float  # time.monotonic() when the transfer's time starts
     after: torch.cuda.Event | None = None  # early: the prefill's event the copy waits for
     first_token: torch.Tensor | None = None  # early: the prefill's slot of it, mapped here
+    token_event: torch.cuda.Event | None = None  # early: recorded after the token's copy there
     announced: bool = True  # early: False until the announcement proper is in
     launched: bool = False  # the engine thread has queued the copy (or given it up)
     failure: str | None = None
@@ -220,10 +234,11 @@ class PDConnector(KVConnector):
         self.wakeup: Callable[[], None] = lambda: None
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ipc_handle: str | None = None
-        self.ready_events: list[tuple[torch.cuda.Event, bytes]] = []  # cuda-ipc prefill: early
-        self.next_ready_event = 0
-        self.first_token_slots: torch.Tensor | None = None  # ... and the slots beside them
+        self.early_slots: list[EarlySlot] = []  # cuda-ipc prefill: early announcements
+        self.next_early_slot = 0
+        self.first_token_slots: torch.Tensor | None = None  # ... their first-token buffer
         self.first_token_handle: str | None = None
+        self.announced_early: dict[str, int] = {}  # request id -> slot, until its token is in
         self.remote_first_tokens: dict[str, torch.Tensor] = {}  # engine id -> mapped slots
         self.first_tokens_on_device: set[str] = set()  # reports: copies queued ahead
         self.ahead_copies: dict[str, ReadyCopy] = {}  # ... kept for write_device_inputs
@@ -316,8 +331,9 @@ class PDConnector(KVConnector):
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self.load_attempted.discard(request_id)
-        self.ahead_copies.pop(request_id, None)
+        self.announced_early.pop(request_id, None)
         with self.lock:
+            self.ahead_copies.pop(request_id, None)
             if request_id in self.loading:  # the load thread still writes into these blocks
                 self.abandoned_loads.add(request_id)
                 if request_id in self.cancelled_waits:
@@ -406,11 +422,13 @@ class PDConnector(KVConnector):
 
             self.ipc_handle = export_handle(kv_cache)
             with torch.cuda.device(self.device):
-                events = [torch.cuda.Event(interprocess=True) for _ in range(READY_EVENTS)]
-                self.ready_events = [(event, bytes(event.ipc_handle())) for event in events]
-            self.first_token_slots = torch.zeros(
-                READY_EVENTS, dtype=torch.int64, device=self.device
-            )
+                events = [torch.cuda.Event(interprocess=True) for _ in range(2 * EARLY_SLOTS)]
+            handles = [bytes(event.ipc_handle()) for event in events]
+            self.early_slots = [
+                EarlySlot(events[i], handles[i], events[i + 1], handles[i + 1])
+                for i in range(0, len(events), 2)
+            ]
+            self.first_token_slots = torch.zeros(EARLY_SLOTS, dtype=torch.int64, device=self.device)
             self.first_token_handle = export_handle(self.first_token_slots)
         if self.gpu_direct and self.config.loads_kv:
             from tandem.kv.cuda_ipc import BlockCopier
@@ -424,7 +442,9 @@ class PDConnector(KVConnector):
         for spec in metadata.saves:
             if layer_index == 0:
                 self._publish(spec)
-            if self.gpu_direct:  # decode reads the cache itself, announced once sampled
+            if self.gpu_direct:  # decode reads the cache itself, announced once all is queued
+                if layer_index == self.kv_spec.num_layers - 1:
+                    self._announce_early(spec)
                 continue
             lease = self.leases.get(spec.request_id)
             if lease is None:
@@ -471,16 +491,25 @@ class PDConnector(KVConnector):
         requests: Sequence[ScheduledRequest],
         token_ids: torch.Tensor,
     ) -> None:
-        """cuda-ipc: a prompt's KV and its first token are queued on the GPU: announce early."""
-        if metadata is None or not metadata.saves or not self.gpu_direct:
+        """cuda-ipc: the first tokens of prompts announced early are queued on the GPU: each
+        is copied into its slot, and a further early announcement names the event after it."""
+        if metadata is None or not metadata.saves or not self.announced_early:
             return
         rows = {request.request_id: row for row, request in enumerate(requests)}
+        stream = torch.cuda.current_stream(self.device)
         for spec in metadata.saves:
-            self._announce_early(spec, token_ids[rows[spec.request_id]])
+            slot_index = self.announced_early.pop(spec.request_id, None)
+            if slot_index is None:
+                continue
+            slot = self.early_slots[slot_index]
+            self.first_token_slots[slot_index].copy_(token_ids[rows[spec.request_id]])
+            slot.token_event.record(stream)
+            handoff_id = self._handoff_id(self.remote_decode[spec.request_id])
+            self.server.announce_more(handoff_id, {"kv_first_token_event": slot.token_handle})
 
-    def _announce_early(self, spec: SaveSpec, first_token: torch.Tensor) -> None:
-        """A decode worker that waits for this handoff already gets the blocks now, with the
-        slot the first token is copied into and an event to queue its work behind."""
+    def _announce_early(self, spec: SaveSpec) -> None:
+        """A decode worker that waits for this handoff already gets the blocks now, with an
+        event to queue its copy behind and the slot the first token will be copied into."""
         request = self.remote_decode.get(spec.request_id)
         handoff_id = self._handoff_id(request) if request is not None else None
         if handoff_id is None:
@@ -490,21 +519,19 @@ class PDConnector(KVConnector):
             if lease is None:
                 return
             lease.transferable = True  # a hold may come with the early announcement
-
-        def message() -> dict[str, Any]:  # sent now, or kept for a decode worker yet to wait
-            slot = self.next_ready_event
-            self.next_ready_event = (slot + 1) % len(self.ready_events)
-            event, handle = self.ready_events[slot]
-            self.first_token_slots[slot].copy_(first_token)
-            event.record(torch.cuda.current_stream(self.device))
-            return dict(
-                self._transfer_params(request, spec.block_ids),
-                kv_ready_event=handle,
-                kv_first_token_slots=self.first_token_handle,
-                kv_first_token_slot=slot,
-            )
-
-        if not self.server.announce_early(handoff_id, spec.request_id, message):
+        slot_index = self.next_early_slot
+        self.next_early_slot = (slot_index + 1) % len(self.early_slots)
+        slot = self.early_slots[slot_index]
+        slot.kv_event.record(torch.cuda.current_stream(self.device))
+        message = dict(
+            self._transfer_params(request, spec.block_ids),
+            kv_ready_event=slot.kv_handle,
+            kv_first_token_slots=self.first_token_handle,
+            kv_first_token_slot=slot_index,
+        )
+        if self.server.announce_early(handoff_id, spec.request_id, message):
+            self.announced_early[spec.request_id] = slot_index
+        else:
             with self.lock:
                 lease.transferable = False
 
@@ -539,8 +566,10 @@ class PDConnector(KVConnector):
                     remote_cache = self._remote_cache(spec.remote)
                     ready = ReadyCopy(spec, hold, remote_cache, handed_off, started)
                     if hold.announcement_pending:
-                        ready.after = self._remote_event(spec.remote)
+                        ready.after = self._remote_event(spec.remote["kv_ready_event"])
                         ready.first_token = self._remote_first_token(spec.remote)
+                        if token_handle := spec.remote.get("kv_first_token_event"):
+                            ready.token_event = self._remote_event(token_handle)
                         ready.announced = False
                     with self.lock:
                         self.ready_copies.append(ready)
@@ -621,12 +650,23 @@ class PDConnector(KVConnector):
     def _await_announcement(self, copy: ReadyCopy) -> None:
         """Load thread, after an early announcement: wait for the announcement proper (the
         first token), then report the load, or leave that to the engine thread if it has not
-        queued the copy yet."""
+        queued the copy yet. A further early announcement on the way names the event after
+        the first token's copy into its slot: the request may then run ahead of the proper."""
         spec = copy.spec
         token, failure = None, None
         cancelled = self.cancelled_waits.get(spec.request_id)
         try:
-            token = announced_token(copy.hold.announcement(cancelled))
+            message = copy.hold.announcement(cancelled)
+            while copy.hold.announcement_pending:
+                if token_handle := message.get("kv_first_token_event"):
+                    token_event = self._remote_event(token_handle)
+                    with self.lock:
+                        copy.token_event = token_event
+                        ahead = self._run_ahead(copy)
+                    if ahead:
+                        self.wakeup()
+                message = copy.hold.announcement(cancelled)
+            token = announced_token(message)
         except Exception as exc:
             failure = load_failure(spec.request_id, exc)
         with self.lock:
@@ -712,10 +752,9 @@ class PDConnector(KVConnector):
             mappings[engine_id] = open_handle(remote[handle_key], self.device)
         return mappings[engine_id]
 
-    def _remote_event(self, remote: dict[str, Any]) -> torch.cuda.Event:
-        """The prefill's event an early copy waits for, opened on its first use, on our GPU (a
-        stream here waiting on one opened on the prefill's GPU crashed the process)."""
-        handle = remote["kv_ready_event"]
+    def _remote_event(self, handle: bytes) -> torch.cuda.Event:
+        """A prefill's event that an early copy or step waits for, opened on its first use, on
+        our GPU (a stream here waiting on one opened on the prefill's GPU crashed the process)."""
         if handle not in self.remote_events:
             self.remote_events[handle] = torch.cuda.Event.from_ipc_handle(self.device, handle)
         return self.remote_events[handle]
@@ -754,24 +793,35 @@ class PDConnector(KVConnector):
                 copy.failure = copy.failure or failure
                 copy.launched = True
                 announced = copy.announced
-                ahead = not (announced or skip or copy.failure) and copy.first_token is not None
+                if not announced:
+                    self._run_ahead(copy)
             if announced:
                 self._finish_copy(copy)
-            elif ahead:  # the request's first step may run before the announcement proper
-                self.ahead_copies[spec.request_id] = copy
-                self.first_tokens_on_device.add(spec.request_id)
+
+    def _run_ahead(self, copy: ReadyCopy) -> bool:
+        """With the lock held: report an early copy whose request's first step may run before
+        the announcement proper, once the copy is queued and the first token's event known."""
+        ready = copy.launched and not copy.announced and copy.failure is None
+        ready = ready and copy.first_token is not None and copy.token_event is not None
+        if not ready or copy.spec.request_id in self.abandoned_loads:
+            return False
+        self.ahead_copies[copy.spec.request_id] = copy
+        self.first_tokens_on_device.add(copy.spec.request_id)
+        return True
 
     def write_device_inputs(self, metadata: ConnectorMetadata | None, input_ids: torch.Tensor):
         """Put the first tokens of this step's run-ahead handoffs in their stand-ins' places,
-        read from the prefill's GPU once their KV copies are done (the step waits for them)."""
+        read from the prefill's GPU once their KV copies are done and the tokens are in their
+        slots (the step waits for both)."""
         if metadata is None or not metadata.device_inputs:
             return
-        for offset, request_id in metadata.device_inputs:
-            copy = self.ahead_copies.pop(request_id)
-            self.engine_stream.wait_event(copy.events[1] if copy.events else copy.after)
-            input_ids[offset : offset + 1].copy_(copy.first_token)
         with self.lock:
-            self.counters["kv_handoffs_ahead"] += len(metadata.device_inputs)
+            copies = [self.ahead_copies.pop(request_id) for _, request_id in metadata.device_inputs]
+            self.counters["kv_handoffs_ahead"] += len(copies)
+        for (offset, _), copy in zip(metadata.device_inputs, copies, strict=True):
+            self.engine_stream.wait_event(copy.events[1] if copy.events else copy.after)
+            self.engine_stream.wait_event(copy.token_event)
+            input_ids[offset : offset + 1].copy_(copy.first_token)
 
     def _finish_copy(self, copy: ReadyCopy) -> None:
         """Report a GPU-direct load whose copy is queued (unless given up) and whose first

@@ -28,14 +28,16 @@ Wire format. One connection carries any number of fetches, one after another; ev
                                this connection, early (with hold) takes an early announcement
     server -> client  ANNOUNCE msgpack map: what the prefill side announced; layer holds flags:
                                1 when the transfer it names is held for this connection (as after
-                               HELD), 2 when it is early (a second ANNOUNCE, flags 0, follows)
+                               HELD), 2 when it is early (more follow: early ones, flags 2, then
+                               the announcement proper, flags 0)
 
     FETCH ─▶ ◀─ LAYER 0 ◀─ LAYER 1 … ◀─ LAYER n-1   CONFIRM ─▶ ◀─ DONE
          └─▶ ◀─ ERROR (not_found / mismatch / aborted), at the start or between layers
     FETCH (hold) ─▶ ◀─ HELD  … the client reads the blocks itself …  CONFIRM ─▶ ◀─ DONE
     AWAIT ─▶ … ◀─ ANNOUNCE        or ◀─ ERROR (timeout) once timeout_s passed unannounced
     AWAIT (hold) ─▶ … ◀─ ANNOUNCE (layer 1)  … the client reads the blocks …  CONFIRM ─▶ ◀─ DONE
-    AWAIT (hold, early) ─▶ … ◀─ ANNOUNCE (layer 3) … ◀─ ANNOUNCE (layer 0) … CONFIRM ─▶ ◀─ DONE
+    AWAIT (hold, early) ─▶ … ◀─ ANNOUNCE (layer 3) [◀─ ANNOUNCE (layer 2) …] … ◀─ ANNOUNCE
+                        (layer 0) … CONFIRM ─▶ ◀─ DONE
 
 Handoffs let a decode worker wait for a prefill that has not finished (or not even arrived) yet:
 the prefill side calls `announce(handoff_id, message)` once it knows what the decode needs (its
@@ -62,7 +64,9 @@ it needs to queue its copy behind that work, with the transfer held; the announc
 called, and only then may the client use the copy. One whose AWAIT (hold, early) arrives later,
 but before the announcement proper, gets the early announcement then, from its connection's
 thread. A waiter that did not ask for it, or one that comes after the announcement proper,
-gets only the announcement proper.
+gets only the announcement proper. Between the two, `announce_more` sends further early
+announcements (what the prefill has queued since) to a waiter that got the early one, or adds
+them to the early message kept for one yet to come.
 
 Threads: the server runs one accept thread plus one thread per connection; `wait_layer` and the
 `on_transfer_done` and `on_transfer_held` callbacks run on the connection's thread (the callbacks
@@ -394,15 +398,12 @@ class TcpKVServer(TransportServer):
                     handoff.answered = False
         handoff.arrived.set()
 
-    def announce_early(
-        self, handoff_id: str, transfer_id: str, make_message: Callable[[], dict[str, Any]]
-    ) -> bool:
-        """Send make_message() ahead of the announcement proper to the decode worker waiting
-        on handoff_id, with transfer_id held for it, if it waits already and asked for an early
+    def announce_early(self, handoff_id: str, transfer_id: str, message: dict[str, Any]) -> bool:
+        """Send `message` ahead of the announcement proper to the decode worker waiting on
+        handoff_id, with transfer_id held for it, if it waits already and asked for an early
         announcement (and a hold); when nobody waits yet, keep the message for an AWAIT (hold,
         early) that comes before the announcement proper. False when it was neither sent nor
         kept: `announce` then does all."""
-        message = make_message()
         with self._lock:
             handoff = self._handoffs.setdefault(handoff_id, _Handoff())
             if handoff.answered or handoff.message is not None:
@@ -437,6 +438,27 @@ class TcpKVServer(TransportServer):
             self._early_waiters[handoff_id] = waiter
             self._early_announcements += 1
         handoff.arrived.set()  # the connection's thread goes on to wait for CONFIRM
+        return True
+
+    def announce_more(self, handoff_id: str, message: dict[str, Any]) -> bool:
+        """A further early announcement, to the decode worker that got the early one (from
+        this thread, as `announce`), or added to the kept early message that no wait has taken
+        yet. False when neither: a wait took the kept message meanwhile and is being sent it,
+        or nothing was announced early."""
+        with self._lock:
+            waiter = self._early_waiters.get(handoff_id)
+            if waiter is None:
+                handoff = self._handoffs.get(handoff_id)
+                kept = handoff is not None and handoff.early_message is not None
+                if not kept or handoff.answered or handoff.message is not None:
+                    return False
+                handoff.early_message = {**handoff.early_message, **message}
+                return True
+        try:
+            _send_message(waiter, _ANNOUNCE, _encoder.encode(message), layer=_EARLY_FLAG)
+        except OSError as exc:  # the connection's thread sees the client gone, lets go
+            logger.debug("KV server on port %d: early %r failed: %r", self.port, handoff_id, exc)
+            return False
         return True
 
     def _send_proper(self, connection: socket.socket, handoff_id: str, message: dict) -> None:
@@ -1130,15 +1152,15 @@ class _TcpTransferHold(TransferHold):
             message_type, flags, length = _recv_header_waiting(
                 connection, self._header, self._deadline, cancelled
             )
-            if message_type != _ANNOUNCE or flags != 0:
+            if message_type != _ANNOUNCE or flags not in (0, _EARLY_FLAG):
                 raise _ProtocolError(f"expected ANNOUNCE, got message type {message_type}")
             received.append(
                 _announcement_decoder.decode(_recv_control(connection, length, self._deadline))
             )
+            self.announcement_pending = flags == _EARLY_FLAG
 
         received: list[dict[str, Any]] = []
         self.step(receive, last=False)
-        self.announcement_pending = False
         return received[0]
 
     def release(self) -> None:

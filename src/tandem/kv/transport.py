@@ -124,13 +124,17 @@ class TransportServer(ABC):
         hold; never waits on the network."""
 
     @abstractmethod
-    def announce_early(
-        self, handoff_id: str, transfer_id: str, make_message: Callable[[], dict[str, Any]]
-    ) -> bool:
-        """Send make_message() ahead of the announcement to a decode worker that waits on
+    def announce_early(self, handoff_id: str, transfer_id: str, message: dict[str, Any]) -> bool:
+        """Send `message` ahead of the announcement to a decode worker that waits on
         handoff_id already and takes early announcements, with transfer_id held for it, or keep
         it for one that comes to wait before the announcement; False when it was neither sent
         nor kept (the announcement then carries everything)."""
+
+    @abstractmethod
+    def announce_more(self, handoff_id: str, message: dict[str, Any]) -> bool:
+        """After `announce_early`: send `message` as a further early announcement to the
+        decode worker that got the early one, or add its keys to the early message kept for
+        one yet to come; False when neither (it came meanwhile, or none was kept)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -140,7 +144,8 @@ class TransportServer(ABC):
 class TransferHold(ABC):
     """A decode worker's hold on a published transfer, asked for before it reads the blocks."""
 
-    # The hold came with an early announcement; `announcement()` brings the announcement proper.
+    # The hold came with an early announcement; `announcement()` brings the next one, until the
+    # announcement proper.
     announcement_pending: bool = False
 
     @abstractmethod
@@ -150,8 +155,9 @@ class TransferHold(ABC):
 
     @abstractmethod
     def announcement(self, cancelled: threading.Event | None = None) -> dict[str, Any]:
-        """After an early announcement: block until the announcement proper arrives and return
-        it; raises KVTransferError ("aborted" once `cancelled` is set, "timeout", "connection")."""
+        """After an early announcement: block until the next announcement arrives and return
+        it, a further early one (`announcement_pending` stays True) or the announcement proper;
+        raises KVTransferError ("aborted" once `cancelled` is set, "timeout", "connection")."""
 
     @abstractmethod
     def release(self) -> None:
