@@ -111,10 +111,10 @@ def process_names(records: list[dict]) -> dict[int, str]:
 def report(requests: list[dict], trace_dir: Path) -> None:
     records = [json.loads(path.read_text()) for path in trace_dir.glob("trace-*.json")]
     names = process_names(records)
-    events = sorted(
-        (time_ns, names.get(r["pid"], str(r["pid"])), thread[:16], label, phase)
+    events = sorted(  # (time, process, thread, label, phase, thread state: see call_trace)
+        (time_ns, names.get(r["pid"], str(r["pid"])), thread[:16], label, phase, tuple(state))
         for r in records
-        for time_ns, thread, label, phase in r["events"]
+        for time_ns, thread, label, phase, *state in r["events"]
     )
     times = [event[0] for event in events]
     for num_input in sorted({r["input"] for r in requests}):
@@ -125,25 +125,40 @@ def report(requests: list[dict], trace_dir: Path) -> None:
                 f"{statistics.median(r['ttft_ms'] for r in measured):.3f} ms, second token "
                 f"{statistics.median(r['ttst_ms'] for r in measured):.3f} ms"
             )
-            offsets, spent = defaultdict(list), defaultdict(float)
+            offsets = defaultdict(list)
+            spent = defaultdict(lambda: [0.0] * 5)  # wall ms, CPU ms, faults, switches, forced
             for request in measured:
                 window = slice(
                     bisect.bisect_left(times, request["sent"]),
                     bisect.bisect_right(times, request["sent"] + request["ttst_ms"] * 1e6),
                 )
                 seen, entered = defaultdict(int), {}
-                for time_ns, process, thread, label, phase in events[window]:
+                for time_ns, process, thread, label, phase, state in events[window]:
                     key = (process, thread, label, phase)
                     seen[key] += 1
                     offsets[key, seen[key]].append((time_ns - request["sent"]) / 1e6)
                     if phase == "in":
-                        entered[process, thread, label] = time_ns
+                        entered[process, thread, label] = (time_ns, state)
                     elif phase == "out" and (process, thread, label) in entered:
-                        start = entered.pop((process, thread, label))
-                        spent[process, thread, label] += (time_ns - start) / 1e6 / len(measured)
-            print("  mean ms per request in each function:")
-            for (process, thread, label), ms in sorted(spent.items(), key=lambda kv: -kv[1]):
-                print(f"    {ms:8.3f}  {process:12s} {thread:16s} {label}")
+                        start, start_state = entered.pop((process, thread, label))
+                        total = spent[process, thread, label]
+                        total[0] += (time_ns - start) / 1e6 / len(measured)
+                        if state and start_state:
+                            total[1] += (state[0] - start_state[0]) / 1e6 / len(measured)
+                            for index in (1, 2, 3):
+                                total[index + 1] += (state[index] - start_state[index]) / len(
+                                    measured
+                                )
+            print(
+                "  per request in each function, means: wall ms, thread CPU ms, minor page "
+                "faults, voluntary and involuntary context switches:"
+            )
+            for (process, thread, label), total in sorted(spent.items(), key=lambda kv: -kv[1][0]):
+                wall, cpu, faults, switches, forced = total
+                print(
+                    f"    {wall:8.3f} {cpu:8.3f} {faults:7.1f} {switches:6.1f} {forced:6.1f}  "
+                    f"{process:12s} {thread:16s} {label}"
+                )
             print("  timeline, median ms from the client's send (count of requests):")
             rows = sorted(
                 (statistics.median(values), len(values), key)

@@ -1,7 +1,10 @@
 """Call tracing for `benchmarks/trace_latency.py`: on a path of PYTHONPATH, every Python process
 started with TANDEM_CALL_TRACE_DIR set (a worker's API process and its engine core processes)
 records when chosen functions are entered and left, and writes the record to that directory at
-exit. The times are time.perf_counter_ns(), one clock for every process of a host.
+exit. The times are time.perf_counter_ns(), one clock for every process of a host. A span
+also records, on entering and leaving, its thread's CPU time and its counts of minor page faults
+and of voluntary and involuntary context switches: a span whose wall time is far above its CPU
+time waited (for the GIL, a lock, the scheduler), one whose CPU time is high ran slowly.
 
 Generators and coroutines record only their creation ("call"): their work runs later.
 """
@@ -62,12 +65,17 @@ def _install(directory: str) -> None:
     import inspect
     import json
     import multiprocessing
+    import resource
     import sys
     import threading
     import time
 
-    events: list[tuple[int, str, str, str]] = []
+    events: list[tuple] = []
     clock = time.perf_counter_ns
+
+    def thread_state() -> tuple[int, int, int, int]:
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        return time.thread_time_ns(), usage.ru_minflt, usage.ru_nvcsw, usage.ru_nivcsw
 
     def traced(label: str, function, call_only: bool):
         if call_only:
@@ -82,11 +90,11 @@ def _install(directory: str) -> None:
         @functools.wraps(function)
         def record_span(*args, **kwargs):
             thread = threading.current_thread().name
-            events.append((clock(), thread, label, "in"))
+            events.append((clock(), thread, label, "in", *thread_state()))
             try:
                 return function(*args, **kwargs)
             finally:
-                events.append((clock(), thread, label, "out"))
+                events.append((clock(), thread, label, "out", *thread_state()))
 
         return record_span
 
