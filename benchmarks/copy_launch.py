@@ -31,6 +31,22 @@ def mean_microseconds(function: Callable[[], object], device: torch.device) -> f
     return elapsed / CALLS * 1e6
 
 
+def warmed_copier(
+    device: torch.device, block_ids: list[int]
+) -> tuple[BlockCopier, torch.Tensor, torch.Tensor, torch.cuda.Event]:
+    """A copier into a local cache on `device` and a second cache there as the remote one,
+    with the kernel compiled and the pinned buffer filled by copies of `block_ids` behind an
+    event: (copier, local cache, remote cache, that event)."""
+    local = torch.zeros(CACHE_SHAPE, dtype=torch.bfloat16, device=device)
+    remote = torch.zeros(CACHE_SHAPE, dtype=torch.bfloat16, device=device)
+    copier = BlockCopier(local)
+    after = torch.cuda.Event()
+    after.record()
+    for _ in range(20):
+        copier.launch(remote, block_ids, block_ids, after=after)
+    return copier, local, remote, after
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda:1" if torch.cuda.device_count() > 1 else "cuda")
@@ -38,14 +54,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.cuda.set_device(device)
-    local = torch.zeros(CACHE_SHAPE, dtype=torch.bfloat16, device=device)
-    remote = torch.zeros(CACHE_SHAPE, dtype=torch.bfloat16, device=device)
-    copier = BlockCopier(local)
     block_ids = list(range(args.blocks))
-    after = torch.cuda.Event()
-    after.record()
-    for _ in range(20):  # compiles the kernel, fills the pinned buffer
-        copier.launch(remote, block_ids, block_ids, after=after)
+    copier, local, remote, after = warmed_copier(device, block_ids)
     remote_ids, local_ids = copier.id_staging.upload({torch.int32: (block_ids, block_ids)})[
         torch.int32
     ]

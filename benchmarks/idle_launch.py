@@ -20,10 +20,8 @@ from collections.abc import Callable
 
 import torch
 import zmq
+from copy_launch import warmed_copier
 
-from tandem.kv.cuda_ipc import BlockCopier
-
-CACHE_SHAPE = (28, 2, 4096, 16, 8, 128)  # Qwen3-0.6B's layers, KV heads and head size
 BLOCK_IDS = list(range(8))  # 128 tokens
 
 
@@ -91,13 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.cuda.set_device(device)
-    local = torch.zeros(CACHE_SHAPE, dtype=torch.bfloat16, device=device)
-    remote = torch.zeros(CACHE_SHAPE, dtype=torch.bfloat16, device=device)
-    copier = BlockCopier(local)
-    after = torch.cuda.Event()
-    after.record()
-    for _ in range(20):  # compiles the kernel, fills the pinned buffer
-        copier.launch(remote, BLOCK_IDS, BLOCK_IDS, after=after)
+    copier, _, remote, after = warmed_copier(device, BLOCK_IDS)
     record = torch.cuda.Event()
     calls = {
         "copy launch": lambda: copier.launch(remote, BLOCK_IDS, BLOCK_IDS, after=after),

@@ -637,6 +637,16 @@ def wait_with_hold(
     return waiter, received
 
 
+def announced_early_to_a_waiter(client, server, transfer_id: str, early: dict) -> tuple:
+    """A held early wait on handoff "h", then `early` announced early for transfer_id: what
+    the wait returned, (message, hold)."""
+    waiter, received = wait_with_hold(client, server, "h", early=True)
+    assert server.announce_early("h", transfer_id, early)
+    waiter.join(5.0)
+    [answer] = received
+    return answer
+
+
 @pytest.mark.parametrize("announced_first", [False, True])
 def test_an_announcement_comes_with_its_transfer_held(make_server, client, announced_first):
     """A held wait gets the named transfer held as the announcement goes out (by the announcing
@@ -707,11 +717,8 @@ def test_an_early_announcement_holds_and_the_announcement_follows(make_server, c
     owner = HoldOwner()
     server, done = make_server(on_transfer_held=owner)
     server.publish("gpu", [])
-    waiter, received = wait_with_hold(client, server, "h", early=True)
     early = {"remote_request_id": "gpu", "remote_block_ids": [4, 2]}
-    assert server.announce_early("h", "gpu", early)
-    waiter.join(5.0)
-    [(message, hold)] = received
+    message, hold = announced_early_to_a_waiter(client, server, "gpu", early)
     assert message == early and hold.announcement_pending
     assert owner.held == ["gpu"] and done.calls == []
     server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
@@ -726,10 +733,7 @@ def test_further_early_announcements_come_before_the_announcement_proper(make_se
     owner = HoldOwner()
     server, done = make_server(on_transfer_held=owner)
     server.publish("gpu", [])
-    waiter, received = wait_with_hold(client, server, "h", early=True)
-    assert server.announce_early("h", "gpu", {"remote_request_id": "gpu"})
-    waiter.join(5.0)
-    [(message, hold)] = received
+    message, hold = announced_early_to_a_waiter(client, server, "gpu", {"remote_request_id": "gpu"})
     assert message == {"remote_request_id": "gpu"} and hold.announcement_pending
     assert server.announce_more("h", {"token_event": 1})
     assert server.announce_more("h", {"token_event": 2})
@@ -872,10 +876,7 @@ def test_a_decode_that_leaves_after_an_early_announcement_lets_go(make_server, c
     owner = HoldOwner()
     server, done = make_server(on_transfer_held=owner)
     server.publish("gpu", [])
-    waiter, received = wait_with_hold(client, server, "h", early=True)
-    assert server.announce_early("h", "gpu", {"remote_request_id": "gpu"})
-    waiter.join(5.0)
-    [(_, hold)] = received
+    _, hold = announced_early_to_a_waiter(client, server, "gpu", {"remote_request_id": "gpu"})
     if how == "abandon":
         hold.abandon()
     else:
