@@ -64,6 +64,11 @@ def wait_for(condition: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.05)
 
 
+def both_workers_healthy(client: httpx.Client, router_url: str) -> bool:
+    workers = client.get(router_url + "/health").json()["workers"]
+    return workers["prefill"] == 1 and workers["decode"] == 1
+
+
 def test_killing_the_decode_worker_mid_stream(spawn):
     prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
     fake = ("tandem.router.fake_worker", "--host", "127.0.0.1")
@@ -85,7 +90,9 @@ def test_killing_the_decode_worker_mid_stream(spawn):
         "0.2",
     )
     client = httpx.Client(timeout=10)
-    wait_for(lambda: client.get(router_url + "/health").status_code == 200, timeout=20)
+    # Both workers in the pool, not just the decode worker (/health is 200 with that alone, and
+    # the streams would then run on it as plain requests).
+    wait_for(lambda: both_workers_healthy(client, router_url), timeout=20)
 
     body = {"prompt": "a b", "max_tokens": 200, "stream": True}
     streams: list[list[object]] = [[] for _ in range(4)]
@@ -129,7 +136,7 @@ def test_killing_the_decode_worker_mid_stream(spawn):
     wait_for(lambda: len(client.get(prefill_stats).json()["released"]) == 5, timeout=5)
 
     spawn("decode-again", *decode_args)
-    wait_for(lambda: client.get(router_url + "/health").status_code == 200, timeout=20)
+    wait_for(lambda: both_workers_healthy(client, router_url), timeout=20)
     answer = client.post(router_url + "/v1/completions", json={"prompt": "a b", "max_tokens": 3})
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " a b a"
     client.close()
