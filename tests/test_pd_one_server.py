@@ -175,6 +175,19 @@ def test_engine_placement(device: str, decode_device: str, expected: tuple):
     assert (prefill.device, decode.device, prefill.gpu_memory_utilization) == expected
 
 
+class StubStream:
+    """A submitted leg that never has a delta; closing it is recorded."""
+
+    def __init__(self, engine: StubEngine, request_id: str) -> None:
+        self.engine, self.request_id = engine, request_id
+
+    async def next(self):
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        self.engine.closed.append(self.request_id)
+
+
 class StubEngine:
     """An engine client whose legs wait forever (or are refused at once), recording aborts."""
 
@@ -186,14 +199,10 @@ class StubEngine:
         self.aborted: list[str] = []
         self.closed: list[str] = []
 
-    async def generate(self, request_id, prompt_token_ids, params, kv_transfer_params=None):
+    async def submit(self, request_id, prompt_token_ids, params, kv_transfer_params=None):
         if self.refuse:
             raise QueueFullError("the queue is full")
-        try:
-            await asyncio.Event().wait()
-            yield
-        finally:
-            self.closed.append(request_id)
+        return StubStream(self, request_id)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

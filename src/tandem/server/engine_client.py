@@ -41,6 +41,47 @@ class QueueFullError(RuntimeError):
     """Too many requests are waiting; the client should retry later."""
 
 
+class RequestStream:
+    """One submitted request's deltas (all its output sequences share the queue); `close()`
+    aborts in the core what is still live and forgets the request here."""
+
+    def __init__(self, client: AsyncEngineClient, request_id: str, child_ids: list[str]) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.child_ids = child_ids
+        self.queue: asyncio.Queue[SequenceDelta] = asyncio.Queue()
+        self.pending = set(child_ids)  # sequences not finished
+        self.unstarted: set[str] = set()  # sequences submitted that have no output yet
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence finished and every delta read."""
+        return not self.pending and self.queue.empty()
+
+    async def next(self) -> SequenceDelta:
+        delta = await self.queue.get()
+        child_id = child_request_id(self.request_id, delta.index)
+        if child_id in self.unstarted:
+            self.unstarted.discard(child_id)
+            self.client._num_unstarted -= 1
+        if delta.finish_reason is not None:
+            self.pending.discard(child_id)
+        return delta
+
+    async def close(self) -> None:
+        client = self.client
+        if client._children.get(self.request_id) is not self.child_ids:
+            return  # closed already
+        client._num_unstarted -= len(self.unstarted)
+        self.unstarted.clear()
+        for child_id in self.child_ids:
+            client._queues.pop(child_id, None)
+            client.outputs.discard(child_id)
+        del client._children[self.request_id]
+        if self.pending:
+            await client._input.send_pyobj(("abort", list(self.pending)))
+
+
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, kv_config: Any = None, start_timeout: float = 600):
         self.config = config
@@ -157,6 +198,22 @@ class AsyncEngineClient:
     ) -> AsyncIterator[SequenceDelta]:
         """Deltas of every output sequence of the request, as they come; aborts the request in
         the core if the consumer stops early."""
+        stream = await self.submit(request_id, prompt_token_ids, params, kv_transfer_params)
+        try:
+            while not stream.finished:
+                yield await stream.next()
+        finally:
+            await stream.close()
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> RequestStream:
+        """Send the request to the core; its deltas are the stream's. Admission errors (a full
+        queue, a bad value) raise here. Whoever submits closes the stream."""
         max_waiting = self.config.max_waiting
         if params.n > max_waiting:  # each sample waits on its own: n counts against the queue
             raise ValueError(f"n must be at most {max_waiting}, the size of this server's queue")
@@ -174,46 +231,31 @@ class AsyncEngineClient:
         requests = self.inputs.make_requests(
             request_id, prompt_token_ids, params, kv_transfer_params
         )
-        queue: asyncio.Queue = asyncio.Queue()
-        child_ids = [r.request_id for r in requests]
-        self._children[request_id] = child_ids
+        stream = RequestStream(self, request_id, [r.request_id for r in requests])
+        self._children[request_id] = stream.child_ids
         to_submit: list[Request] = []
-        pending = set(child_ids)
         for index, request in enumerate(requests):
-            self._queues[request.request_id] = queue
+            self._queues[request.request_id] = stream.queue
             self.outputs.add(request_id, request, index)
             if remote_prefill:
                 request.output_token_ids.append(first_token_id)
                 delta = self._continue_remote(request, first_token_id)
-                queue.put_nowait(delta)
+                stream.queue.put_nowait(delta)
                 if delta.finish_reason is not None:  # done on its first token: load nothing
-                    pending.discard(request.request_id)
+                    stream.pending.discard(request.request_id)
                     continue
             to_submit.append(request)
         self._num_unstarted += len(to_submit)
-        unstarted = {r.request_id for r in to_submit}
+        stream.unstarted.update(r.request_id for r in to_submit)
         try:
             if remote_prefill and not to_submit:
                 await self._input.send_pyobj(("release_remote", kv_transfer_params))
             if to_submit:
                 await self._input.send_pyobj(("add", to_submit))
-            while pending or not queue.empty():
-                delta = await queue.get()
-                child_id = child_request_id(request_id, delta.index)
-                if child_id in unstarted:
-                    unstarted.discard(child_id)
-                    self._num_unstarted -= 1
-                if delta.finish_reason is not None:
-                    pending.discard(child_id)
-                yield delta
-        finally:
-            self._num_unstarted -= len(unstarted)
-            if pending:
-                await self._input.send_pyobj(("abort", list(pending)))
-            for child_id in child_ids:
-                self._queues.pop(child_id, None)
-                self.outputs.discard(child_id)
-            self._children.pop(request_id, None)
+        except BaseException:
+            await stream.close()
+            raise
+        return stream
 
     def _continue_remote(self, request: Request, first_token_id: int) -> SequenceDelta:
         """The first token of a remotely prefilled request is already known: emit it now."""
@@ -252,15 +294,16 @@ class AsyncEngineClient:
             if message[0] != "outputs":
                 continue
             _, core_outputs, self.stats = message
-            if self.stats_listener is not None:
-                self.stats_listener(self.stats)
             deltas, stopped = self.outputs.process(core_outputs)
-            if stopped:
-                await self._input.send_pyobj(("abort", stopped))
             for delta in deltas:
                 queue = self._queues.get(child_request_id(delta.request_id, delta.index))
                 if queue is not None:
                     queue.put_nowait(delta)
+            if self.stats_listener is not None:
+                # After the readers these deltas woke: the metrics wait, the tokens do not.
+                asyncio.get_running_loop().call_soon(self.stats_listener, self.stats)
+            if stopped:
+                await self._input.send_pyobj(("abort", stopped))
 
     def _deliver_error(self, child_id: str, message: str) -> None:
         queue = self._queues.get(child_id)

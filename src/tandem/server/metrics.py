@@ -44,8 +44,8 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
-        self.gauges = {
-            key: Gauge(name, doc, labels, registry=self.registry)
+        self.gauges = {  # engine stat -> this model's gauge (labelled once, set per report)
+            key: Gauge(name, doc, labels, registry=self.registry).labels(model_name)
             for key, (name, doc) in STAT_GAUGES.items()
         }
         self.ttft = Histogram(
@@ -102,7 +102,7 @@ class WorkerMetrics:
         stats = dict(stats, prefix_cache_hit_rate=hit_rate)
         for key, gauge in self.gauges.items():
             if key in stats:
-                gauge.labels(self.model_name).set(stats[key])
+                gauge.set(stats[key])
         for seconds in stats.get("kv_transfer_seconds", ()):
             self.kv_transfer_latency.labels(self.model_name).observe(seconds)
         for kind, count in stats.get("kv_transfer_failures", {}).items():

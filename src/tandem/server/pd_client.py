@@ -15,7 +15,6 @@ to the prefill engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -162,25 +161,24 @@ class DisaggregatedClient:
         # The prefill leg goes in first, the first token's way. The decode engine's wait reaches
         # the prefill's KV server while the prefill runs; an early announcement made before it
         # is kept for it (cuda-ipc), so its copy is still queued before the prefill ends.
-        prefill_leg = self.prefill.generate(
+        prefill_leg = await self.prefill.submit(
             request_id,
             prompt_token_ids,
             prefill_leg_params(params),
             {"do_remote_decode": True, "do_remote_prefill": False, "handoff_id": handoff_id},
         )
-        prefill_first = await self._start(prefill_leg)
-        decode_leg = self.decode.generate(request_id, prompt_token_ids, params, waiting)
         try:
-            decode_first = await self._start(decode_leg)
+            decode_leg = await self.decode.submit(request_id, prompt_token_ids, params, waiting)
         except BaseException:
             await self.prefill.abort(request_id)  # its lease too, if it is done already
-            await self._close_leg(prefill_first, prefill_leg)
+            await prefill_leg.close()
             raise
         lease: dict[str, Any] | None = None
         handed_over = False
         try:
-            first = await prefill_first
-            await prefill_leg.aclose()  # done on its one token: its state here goes
+            # Both legs are read in this task: the first token wakes it with no hop between.
+            first = await prefill_leg.next()
+            await prefill_leg.close()  # done on its one token: its state here goes
             lease = first.kv_transfer_params
             if first.finish_reason in ("stop", "error") or lease is None:
                 yield first  # the first token ended the request, or the prefill failed
@@ -192,7 +190,7 @@ class DisaggregatedClient:
                 first, text=shown, finish_reason=None, stop_reason=None, kv_transfer_params=None
             )
             skip_chars, skip_tokens = len(shown), 1
-            delta = await decode_first
+            delta = await decode_leg.next()
             handed_over = delta.finish_reason != "error"
             while True:
                 cut = min(skip_chars, len(delta.text))
@@ -208,31 +206,12 @@ class DisaggregatedClient:
                     )
                 if delta.finish_reason is not None:
                     return
-                delta = await anext(decode_leg)
+                delta = await decode_leg.next()
         finally:
-            await self._close_leg(decode_first, decode_leg)
-            await self._close_leg(prefill_first, prefill_leg)
+            await decode_leg.close()
+            await prefill_leg.close()
             if lease is not None and not handed_over:
                 await self.prefill.release_kv(lease["remote_request_id"])
-
-    @staticmethod
-    async def _start(leg: AsyncIterator[SequenceDelta]) -> asyncio.Future:
-        """Submit a leg to its engine; the future of its first delta. Admission errors (a full
-        queue, a bad value) raise here."""
-        first = asyncio.ensure_future(anext(leg))
-        await asyncio.sleep(0)  # the leg runs up to its wait for the engine
-        if first.done() and first.exception() is not None:
-            raise first.exception()
-        return first
-
-    @staticmethod
-    async def _close_leg(first: asyncio.Future, leg: AsyncIterator[SequenceDelta]) -> None:
-        """Close a leg (which aborts it in its engine if it is still live)."""
-        if not first.done():
-            first.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await first  # its outcome is the leg's; closing is all that is left
-        await leg.aclose()
 
     async def abort(self, request_id: str) -> None:
         await asyncio.gather(self.prefill.abort(request_id), self.decode.abort(request_id))
