@@ -562,9 +562,7 @@ class TcpKVServer(TransportServer):
             handoff.answered = handoff.answered or take_early
         if take_early and self._send_kept_early(connection, handoff_id, handoff):
             with self._lock:
-                if self._handoffs.get(handoff_id) is handoff:
-                    del self._handoffs[handoff_id]
-                handoff.waiter = None
+                self._forget_wait(handoff_id, handoff)
             self._serve_held(connection, handoff.transfer_id, header)
             return
         deadline = time.monotonic() + request.timeout_s
@@ -580,9 +578,7 @@ class TcpKVServer(TransportServer):
         finally:
             connection.settimeout(self._io_timeout)
             with self._lock:
-                if self._handoffs.get(handoff_id) is handoff:
-                    del self._handoffs[handoff_id]
-                handoff.waiter = None
+                self._forget_wait(handoff_id, handoff)
                 answer_here = not handoff.answered
                 handoff.answered = True
                 message = handoff.message
@@ -602,6 +598,13 @@ class TcpKVServer(TransportServer):
             raise
         if handoff.held:
             self._serve_held(connection, handoff.transfer_id, header)
+
+    def _forget_wait(self, handoff_id: str, handoff: _Handoff) -> None:
+        """The wait on `handoff` is over (called under the lock): the handoff is no longer
+        listed (a later AWAIT for its id starts afresh) and has no waiter to send to."""
+        if self._handoffs.get(handoff_id) is handoff:
+            del self._handoffs[handoff_id]
+        handoff.waiter = None
 
     def _send_kept_early(
         self, connection: socket.socket, handoff_id: str, handoff: _Handoff
