@@ -46,13 +46,15 @@ def test_chats_take_what_the_template_writes(inputs):
 
 def test_tools_reach_the_template_and_unusable_tool_choices_are_refused(inputs):
     tools = [{"type": "function", "function": {"name": "b", "parameters": {"type": "object"}}}]
-    for choice in ("none", "required", {"type": "function", "function": {"name": "b"}}):
+    choices = ("none", "auto", "required", {"type": "function", "function": {"name": "b"}})
+    for choice in choices:
         request = ChatCompletionRequest(messages=USER_SAYS_A, tools=tools, tool_choice=choice)
         assert inputs.tokenize_chat(USER_SAYS_A, **request.template_options()) == [B, A, B]
+        assert request.auto_tool_choice() == (choice == "auto")
+    assert ChatCompletionRequest(messages=USER_SAYS_A, tools=tools).auto_tool_choice()
     refused = [
-        ({"tools": tools}, "needs a parser"),  # "auto", the default with tools
-        ({"tools": tools, "tool_choice": "auto"}, "needs a parser"),
         ({"tool_choice": "required"}, "needs tools"),
+        ({"tool_choice": "auto"}, "needs tools"),
         ({"tools": tools, "tool_choice": {"function": {"name": "c"}}}, "not among the tools"),
         ({"functions": [{"name": "b"}]}, "not supported"),
     ]

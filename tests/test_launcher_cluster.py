@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem.launcher.cli import DEFAULT_CLUSTER, add_parser, cluster_overrides
+from tandem.launcher.cli import DEFAULT_CLUSTER, add_parser, cluster_overrides, run
 from tandem.launcher.cluster import (
     ClusterError,
     load_cluster_file,
@@ -63,6 +63,24 @@ def test_flags_override_the_defaults_and_the_file():
     data = yaml.safe_load(EXAMPLE.read_text())
     spec = parse_cluster(merge_overrides(data, cluster_overrides(serve_args("--decode", "3"))))
     assert spec.roles.decode.count == 3 and spec.roles.decode.engine.max_num_seqs == 64
+
+
+def test_auto_tool_choice_reaches_every_worker():
+    args = serve_args("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--both", "1")
+    spec = parse_cluster(merge_overrides(DEFAULT_CLUSTER, cluster_overrides(args)))
+    workers = plan_processes(spec, "cpu", num_gpus=0, python="py")[:-1]
+    assert [plan.name for plan in workers] == ["prefill-0", "decode-0", "both-0"]
+    for plan in workers:
+        flags = plan.argv[plan.argv.index("--enable-auto-tool-choice") :]
+        assert flags[:3] == ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert run(serve_args("--enable-auto-tool-choice")) == 2  # which parser is not said
+    # the parser alone does not turn "auto" on, as in the worker
+    args = serve_args("--tool-call-parser", "hermes")
+    spec = parse_cluster(merge_overrides(DEFAULT_CLUSTER, cluster_overrides(args)))
+    assert all(
+        "--tool-call-parser" not in plan.argv
+        for plan in plan_processes(spec, "cpu", num_gpus=0, python="py")
+    )
 
 
 @pytest.mark.parametrize(

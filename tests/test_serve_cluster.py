@@ -144,6 +144,21 @@ def test_structured_output_through_serve_matches_colocated(cluster):
     assert streamed == expected and isinstance(json.loads(expected), dict)
 
 
+def test_auto_tool_choice_needs_a_parser(cluster):
+    """Workers started without --enable-auto-tool-choice refuse tool_choice "auto" (the
+    default with tools) with a 400 that names the flags; the router relays it."""
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    for tool_choice in (None, "auto"):
+        body = {"model": DEFAULT_MODEL, "messages": CHAT, "tools": tools}
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice
+        answer = httpx.post(f"{cluster['url']}/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert "--enable-auto-tool-choice" in error["message"]
+        assert error["param"] == "tool_choice"
+
+
 def test_tokenize_and_detokenize_through_the_router_match_a_worker(cluster):
     requests = [
         ("/tokenize", {"prompt": "Once upon a time", "return_token_strs": True}),

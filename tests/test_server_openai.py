@@ -1,5 +1,6 @@
-"""The worker's OpenAI API end to end: one real `tandem worker` on the default model (CPU) serves
-the whole module and is driven by the official `openai` client (sync and async) and by raw HTTP.
+"""The worker's OpenAI API end to end: one real `tandem worker` on the default model (CPU, with
+the hermes tool call parser) serves the whole module and is driven by the official `openai`
+client (sync and async) and by raw HTTP.
 
 References are independent of the server: the offline engine (`tandem.LLM`, loaded in this
 process while the worker boots) for texts, token ids and logprobs under the same sampling
@@ -69,7 +70,8 @@ def reference_future():
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory, reference_future):
     # Depends on reference_future only to start the reference loading first.
-    with running_worker(tmp_path_factory.mktemp("worker")) as process:
+    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with running_worker(tmp_path_factory.mktemp("worker"), *flags) as process:
         yield process
 
 
@@ -525,6 +527,58 @@ def test_forced_tool_calls(client, llm):
     assert streamed[0][0].index == 0 and chunks[-1].choices[0].finish_reason == "stop"
 
 
+HERMES_CALL_REGEX = (
+    r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "[A-Z][a-z]{2,10}"\}\}\n</tool_call>'
+)
+
+
+def test_auto_tool_calls(client, llm):
+    """tool_choice "auto" (the default with tools; the worker runs the hermes parser): an output
+    held by a regex to the hermes format (the offline engine's output under that regex) answers
+    with its text before the call as content and the call's arguments, finishing "tool_calls";
+    streamed, the content comes first and the call whole in the last chunk, no tag ever sent.
+    An output without calls is plain content."""
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    held = {"structured_outputs": {"regex": HERMES_CALL_REGEX}}
+    answer = client.chat.completions.create(
+        model=MODEL, messages=weather, tools=WEATHER_TOOLS, temperature=0, max_tokens=60,
+        extra_body=held,
+    )  # fmt: skip
+    (reference,) = offline(
+        llm, weather, temperature=0, max_tokens=60,
+        structured_output=StructuredOutput(regex=HERMES_CALL_REGEX),
+    )  # fmt: skip
+    call_json = reference.text.split("<tool_call>\n")[1].split("\n</tool_call>")[0]
+    message = answer.choices[0].message
+    assert message.content == "Let me check.\n" and answer.choices[0].finish_reason == "tool_calls"
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == json.loads(call_json)["arguments"]
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=weather, tools=WEATHER_TOOLS, tool_choice="auto",
+            temperature=0, max_tokens=60, extra_body=held, stream=True,
+        )
+    )  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Let me check.\n"
+    assert not any("<tool" in (d.content or "") for d in deltas)
+    (streamed_calls,) = [d.tool_calls for d in deltas if d.tool_calls]
+    assert deltas[-1].tool_calls == streamed_calls and streamed_calls[0].index == 0
+    assert streamed_calls[0].function.arguments == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    plain = client.chat.completions.create(
+        model=MODEL, messages=YES_OR_NO, tools=WEATHER_TOOLS, temperature=0, max_tokens=8
+    )
+    (plain_reference,) = offline(llm, YES_OR_NO, temperature=0, max_tokens=8)
+    assert plain.choices[0].message.content == plain_reference.text
+    assert not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == plain_reference.finish_reason
+
+
 def test_vllm_prompt_logprobs(client, llm):
     (offline_output,) = llm.generate(
         [FRUITS], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
@@ -756,7 +810,6 @@ BAD_REQUESTS = [
         None,
     ),
     ("structured-output-empty", COMPLETIONS, {"prompt": "hi", "structured_outputs": {}}, 400, None),
-    ("tools", CHAT, {"messages": HI, "tools": [{"function": {"name": "f"}}]}, 400, None),
     ("tool-choice-without-tools", CHAT, {"messages": HI, "tool_choice": "required"}, 400, None),
     ("functions", CHAT, {"messages": HI, "functions": [{"name": "f"}]}, 400, None),
     ("zero-max-tokens", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, None),

@@ -2,8 +2,8 @@
 
 Flags given on the command line override the file; without a file, the cluster is one prefill
 and one decode worker on the default model; the KV transport is GPU-direct (cuda-ipc) when the
-workers run on GPUs, TCP otherwise. Imports only argparse and
-the standard library at import time.
+workers run on GPUs, TCP otherwise. Imports only argparse, the standard library and
+standard-library-only modules of tandem at import time.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ import argparse
 import sys
 from typing import Any
 
+from tandem.server.tool_calls import TOOL_CALL_PARSERS
+
+ROLES = ("prefill", "decode", "both", "pd")
 DEFAULT_CLUSTER: dict[str, Any] = {
     "roles": {
         "prefill": {"count": 1, "engine": {"kv_transport": "auto"}},
@@ -45,6 +48,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=("auto", "tcp", "cuda-ipc"),
         help="KV transport of prefill and decode (default auto: cuda-ipc on GPUs, else tcp)",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='workers answer tool_choice "auto" with calls found by --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool call format (see tandem worker --help)",
+    )
     parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="the router's port (default 8000)")
     parser.add_argument(
@@ -70,6 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The dotted keys that the flags given on the command line set."""
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     flags = {
         "model": args.model,
         "device": args.device,
@@ -80,6 +94,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "roles.prefill.engine.kv_transport": args.kv_transport,
         "roles.decode.engine.kv_transport": args.kv_transport,
         "roles.pd.engine.kv_transport": args.kv_transport,
+        **{f"roles.{role}.engine.tool_call_parser": parser for role in ROLES},
         "router.host": args.host,
         "ports.router": args.port,
         "ports.workers": args.worker_port_base,
@@ -97,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
     )
     from tandem.launcher.supervisor import Supervisor, plan_processes, resolve_device
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("tandem serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     try:
         data = load_cluster_file(args.config) if args.config else DEFAULT_CLUSTER
         spec = parse_cluster(merge_overrides(data, cluster_overrides(args)), args.config)

@@ -54,6 +54,8 @@ class EngineSettings(_Strict):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     kv_transport: Literal["auto", "tcp", "cuda-ipc"] | None = None  # auto: cuda-ipc on GPUs
+    # tool_choice "auto" answered with calls found in this format (--enable-auto-tool-choice)
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     extra_args: tuple[str, ...] = ()
 
     def worker_flags(self) -> list[str]:
@@ -61,6 +63,8 @@ class EngineSettings(_Strict):
         for name, value in self:
             if name == "extra_args" or value is None:
                 continue
+            if name == "tool_call_parser":
+                flags.append("--enable-auto-tool-choice")
             flags += [f"--{name.replace('_', '-')}", str(value)]
         return flags + list(self.extra_args)
 

@@ -35,6 +35,7 @@ from tandem.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from tandem.server.tool_calls import content_end, parse_tool_calls
 
 
 class ClientError(Exception):
@@ -52,6 +53,7 @@ class ServerSettings:
     kv_host: str | None = None
     # the model's generation config gives the defaults of sampling fields a request leaves out
     use_generation_config: bool = True
+    tool_call_parser: str | None = None  # tool_choice "auto" answered with calls in this format
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list | None = None  # one entry per prompt token, None for the first
+    content_sent: int = 0  # streamed chat with tool_choice "auto": characters of text sent
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -250,6 +253,14 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_common(body)
+        if body.auto_tool_choice() and settings.tool_call_parser is None:
+            raise ClientError(
+                'tool_choice "auto" (the default when tools are given) needs a worker started '
+                "with --enable-auto-tool-choice and --tool-call-parser; send tool_choice "
+                '"required", a named function ({"type": "function", "function": {"name": '
+                '...}}) or "none"',
+                param="tool_choice",
+            )
         options = body.template_options()
         prompt_ids = tokenize_messages(body.messages, options, body.add_special_tokens)
         base_id = client.new_request_id()
@@ -634,19 +645,41 @@ class ChatWriter(ResponseWriter):
             ]
         }
 
-    def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The calls a forced tool choice's output holds, in OpenAI's shape; None when it is not
-        complete JSON (cut short by max_tokens)."""
+    def forced_calls(self, text: str) -> list[tuple[str, str]] | None:
+        """The (name, arguments) of the calls a forced tool choice's output holds; None when
+        it is not complete JSON (cut short by max_tokens)."""
         forced = self.body.forced_tool_calls()
         try:
             value = json.loads(text)
         except ValueError:
             return None
         if forced == "required":
-            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-        else:
-            calls = [(forced, text)]
-        return [
+            return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+        return [(forced, text)]
+
+    def auto_tool_call_parser(self) -> str | None:
+        """The parser that finds this request's tool calls in its text (tool_choice "auto")."""
+        return self.settings.tool_call_parser if self.body.auto_tool_choice() else None
+
+    def answer(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """The message's body (content, and the tool calls if any) and the finish reason,
+        which is "tool_calls" for tool_choice "required" and for calls found with "auto" (as in
+        vLLM)."""
+        content: str | None = choice.text
+        calls, finish_reason = None, choice.finish_reason
+        if (forced := self.body.forced_tool_calls()) is not None:
+            calls = self.forced_calls(choice.text)
+            if calls is not None:
+                content = None
+                if forced == "required" and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+        elif (parser := self.auto_tool_call_parser()) is not None:
+            parsed = parse_tool_calls(parser, choice.text)
+            if parsed.calls:
+                content, calls, finish_reason = parsed.content, parsed.calls, "tool_calls"
+        if calls is None:
+            return {"content": content}, finish_reason
+        tool_calls = [
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",
                 "type": "function",
@@ -654,18 +687,7 @@ class ChatWriter(ResponseWriter):
             }
             for name, arguments in calls
         ]
-
-    def answer(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
-        """The message's body (content, or the forced tool calls) and the finish reason, which
-        is "tool_calls" for tool_choice "required" (as in vLLM)."""
-        forced = self.body.forced_tool_calls()
-        calls = self.tool_calls(choice.text) if forced is not None else None
-        if calls is None:
-            return {"content": choice.text}, choice.finish_reason
-        finish_reason = choice.finish_reason
-        if forced == "required" and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return {"content": None, "tool_calls": calls}, finish_reason
+        return {"content": content, "tool_calls": tool_calls}, finish_reason
 
     def full_choice(self, index: int, choice: Choice) -> dict[str, Any]:
         body, finish_reason = self.answer(choice)
@@ -688,15 +710,24 @@ class ChatWriter(ResponseWriter):
     def delta_choice(
         self, index: int, delta: SequenceDelta, choice: Choice
     ) -> dict[str, Any] | None:
-        """A chunk; forced tool calls go out whole in the last one (None before it)."""
+        """A chunk, or None when it would say nothing. Forced tool calls go out whole in the
+        last chunk; with tool_choice "auto", text that may begin a call is held back until the
+        output ends, and the calls found in it go out whole in the last chunk."""
         body, finish_reason = {"content": delta.text} if delta.text else {}, delta.finish_reason
-        if self.body.forced_tool_calls() is not None:
-            if delta.finish_reason is None:
+        forced = self.body.forced_tool_calls() is not None
+        parser = self.auto_tool_call_parser()
+        if forced or parser is not None:
+            if delta.finish_reason is not None:
+                body, finish_reason = self.last_tool_delta(choice)
+            elif forced:
                 return None
-            body, finish_reason = self.answer(choice)
-            if "tool_calls" in body:
-                calls = [dict(call, index=i) for i, call in enumerate(body["tool_calls"])]
-                body = {"tool_calls": calls}
+            else:
+                end = max(choice.content_sent, content_end(parser, choice.text))
+                piece, choice.content_sent = choice.text[choice.content_sent : end], end
+                body = {"content": piece} if piece else {}
+                says_more = delta.logprobs or (self.body.return_token_ids and delta.token_ids)
+                if not piece and not says_more:
+                    return None
         return {
             "index": index,
             "delta": body,
@@ -704,6 +735,17 @@ class ChatWriter(ResponseWriter):
             "finish_reason": finish_reason,
             "stop_reason": delta.stop_reason,
         }
+
+    def last_tool_delta(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """The last chunk's delta when tool calls may be made: the content not sent yet, and
+        the calls (each with its index), with the finish reason."""
+        body, finish_reason = self.answer(choice)
+        delta: dict[str, Any] = {}
+        if rest := (body["content"] or "")[choice.content_sent :]:
+            delta["content"] = rest
+        if "tool_calls" in body:
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(body["tool_calls"])]
+        return delta, finish_reason
 
 
 def check_error(delta: SequenceDelta) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.engine.cli import add_engine_arguments, engine_config_from_args
+from tandem.server.tool_calls import TOOL_CALL_PARSERS
 
 
 def add_parser(subparsers) -> None:
@@ -34,6 +35,20 @@ def add_parser(subparsers) -> None:
         help="auto: sampling fields a request leaves out take the values of the model's "
         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), as "
         "vLLM does; none: tandem's defaults",
+    )
+    tools = parser.add_argument_group("tool calls")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='answer tool_choice "auto" (the default when a request has tools): the model '
+        "writes calls in its own format, found by --tool-call-parser",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool call format: hermes (Qwen2.5, Qwen3, Hermes, SmolLM2), "
+        "llama3_json (Llama 3.1, 3.2)",
     )
     kv = parser.add_argument_group("KV transfer (PD)")
     kv.add_argument("--kv-transport", default=None, choices=["tcp", "cuda-ipc"])

@@ -66,6 +66,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("tandem worker: --enable-auto-tool-choice needs --tool-call-parser")
     if args.role == "pd":
         kv_config = None  # the two engines' transfers stay inside this server
         client = disaggregated_client(args, config)
@@ -78,6 +80,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         kv_transport=kv_config.transport if kv_config else None,
         kv_host=kv_config.host if kv_config else None,
         use_generation_config=args.generation_config == "auto",
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     started = {"ok": False}
 

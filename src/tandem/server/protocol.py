@@ -300,11 +300,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     function_call: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _tool_choice_is_forced_or_none(self) -> ChatCompletionRequest:
-        """Tool calls are made by holding the output to the tools' JSON (tool_choice
-        "required" or a named function); tandem has no parser that finds calls in free text,
-        so "auto" (the default with tools) is refused rather than answered as text. "none"
-        shows the tools to the model (in the chat template) and answers in text, as vLLM."""
+    def _tool_choice_fits_tools(self) -> ChatCompletionRequest:
+        """tool_choice "required" or a named function holds the output to the tools' JSON;
+        "auto" (the default with tools) lets the model write calls in its own format, which
+        the server's tool call parser finds (a server without one refuses it); "none" shows
+        the tools to the model (in the chat template) and answers in text, as vLLM."""
         if self.functions is not None or self.function_call is not None:
             raise ValueError(
                 "functions and function_call are not supported; use tools and tool_choice"
@@ -312,12 +312,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         names = [tool.function.name for tool in self.tools or []]
         if not names and self.tool_choice not in (None, "none"):
             raise ValueError("tool_choice needs tools to choose from")
-        if names and self.tool_choice in (None, "auto"):
-            raise ValueError(
-                'tool_choice "auto" (the default with tools) needs a parser of tool calls in '
-                'free text, which tandem does not have; send tool_choice "required", a named '
-                'function ({"type": "function", "function": {"name": ...}}) or "none"'
-            )
         if isinstance(self.tool_choice, NamedToolChoice):
             if self.tool_choice.function.name not in names:
                 raise ValueError(
@@ -325,6 +319,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                     f"the tools ({', '.join(names)})"
                 )
         return self
+
+    def auto_tool_choice(self) -> bool:
+        """Whether the model chooses whether to call tools (tool_choice "auto")."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def forced_tool_calls(self) -> str | None:
         """ "required", or the name of the one function to call, or None (no tool calls)."""

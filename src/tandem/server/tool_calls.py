@@ -1,0 +1,116 @@
+"""Tool calls found in a model's free text, for tool_choice "auto" (`--tool-call-parser`).
+
+Each parser knows one output format:
+
+* `hermes`: each call is JSON between `<tool_call>` and `</tool_call>`, `{"name": ...,
+  "arguments": {...}}` (Qwen2.5, Qwen3, Hermes); a JSON list of such objects inside one pair (as
+  SmolLM2 writes them) is taken too, and so is a last pair the output ended before closing. The
+  text before the first `<tool_call>` is the message's content.
+* `llama3_json`: the whole output is one or more `{"name": ..., "parameters": {...}}` objects,
+  separated by `;`, perhaps after `<|python_tag|>` (Llama 3.1 and 3.2).
+
+An output whose calls are not all valid JSON of that shape is content, with no calls, as in vLLM.
+While a response streams, `content_end` says how much of the text so far is surely content: the
+rest may begin a call and is held until the output ends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None  # None when the output holds only calls
+    calls: list[tuple[str, str]]  # (function name, arguments as a JSON string)
+
+
+def parse_tool_calls(parser: str, text: str) -> ParsedOutput:
+    """The output's content and calls, in the format `parser` names."""
+    if parser == "hermes":
+        return _parse_hermes(text)
+    return _parse_llama3_json(text)
+
+
+def content_end(parser: str, text: str) -> int:
+    """How many leading characters of a partial output are content whatever follows."""
+    if parser == "hermes":
+        start = text.find(HERMES_START)
+        return start if start >= 0 else len(text) - _partial_suffix(text, HERMES_START)
+    head = text.lstrip()
+    if not head or head.startswith("{") or PYTHON_TAG.startswith(head[: len(PYTHON_TAG)]):
+        return 0  # may still become calls
+    return len(text)
+
+
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(
+    re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|\Z)", re.DOTALL
+)
+PYTHON_TAG = "<|python_tag|>"
+
+
+def _parse_hermes(text: str) -> ParsedOutput:
+    start = text.find(HERMES_START)
+    if start < 0:
+        return ParsedOutput(text, [])
+    calls: list[tuple[str, str]] = []
+    for body in _HERMES_CALL.findall(text, start):
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return ParsedOutput(text, [])
+        found = _calls_of(value if isinstance(value, list) else [value])
+        if not found:
+            return ParsedOutput(text, [])
+        calls += found
+    return ParsedOutput(text[:start] or None, calls)
+
+
+def _parse_llama3_json(text: str) -> ParsedOutput:
+    rest = text.strip().removeprefix(PYTHON_TAG).lstrip()
+    if not rest.startswith("{"):
+        return ParsedOutput(text, [])
+    decoder, values, position = json.JSONDecoder(), [], 0
+    while position < len(rest):
+        try:
+            value, position = decoder.raw_decode(rest, position)
+        except ValueError:
+            return ParsedOutput(text, [])
+        values.append(value)
+        separator = _SEPARATOR.match(rest, position)
+        if separator is None:
+            return ParsedOutput(text, [])  # something other than ";" between two objects
+        position = separator.end()
+    calls = _calls_of(values)
+    return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
+
+
+_SEPARATOR = re.compile(r"\s*(?:;\s*|\Z)")
+
+
+def _calls_of(values: list[Any]) -> list[tuple[str, str]]:
+    """(name, arguments JSON) of each value; empty unless every value is a call. The arguments
+    may be named "arguments" or "parameters"."""
+    calls = []
+    for value in values:
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return []
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append((value["name"], arguments))
+    return calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (0 when none)."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0

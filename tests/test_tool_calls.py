@@ -1,0 +1,133 @@
+"""Tool calls found in free text (tool_choice "auto"): each parser's calls and content, checked
+against calls written out by hand, and the streaming contract: the text `content_end` lets go
+of while an output grows is always the start of the content the whole output has."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.server.tool_calls import ParsedOutput, content_end, parse_tool_calls
+
+WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "note": "a;b </x>"}}
+TIME = {"name": "get_time", "arguments": {}}
+
+
+def arguments(call: dict) -> str:
+    return json.dumps(call["arguments"], ensure_ascii=False)
+
+
+HERMES_CASES = [
+    (  # content, then two calls, each in its pair of tags
+        f"Let me look.\n<tool_call>\n{json.dumps(WEATHER)}\n</tool_call>\n"
+        f"<tool_call>{json.dumps(TIME)}</tool_call>",
+        ParsedOutput("Let me look.\n", [("get_weather", arguments(WEATHER)), ("get_time", "{}")]),
+    ),
+    (  # a list of calls in one pair (SmolLM2), non-ASCII kept
+        '<tool_call>[{"name": "f", "arguments": {"x": "é"}}, {"name": "g", "arguments": {}}]'
+        "</tool_call>",
+        ParsedOutput(None, [("f", '{"x": "é"}'), ("g", "{}")]),
+    ),
+    (  # the output ended before the closing tag
+        f"<tool_call>\n{json.dumps(WEATHER)}\n",
+        ParsedOutput(None, [("get_weather", arguments(WEATHER))]),
+    ),
+    (  # arguments already a string, "parameters" instead of "arguments"
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+        '<tool_call>{"name": "g", "parameters": {"b": 2}}</tool_call>',
+        ParsedOutput(None, [("f", '{"a": 1}'), ("g", '{"b": 2}')]),
+    ),
+]
+HERMES_NOT_CALLS = [
+    "No tools needed: 4.",
+    '<tool_call>{"name": "f", "argu',  # cut short by max_tokens
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": "f"}</tool_call><tool_call>oops</tool_call>',  # one bad call: none
+    "<tool_call>[1, 2]</tool_call>",
+]
+
+LLAMA_CASES = [
+    (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "note": "a;b"}}',
+        ParsedOutput(None, [("get_weather", '{"city": "Paris", "note": "a;b"}')]),
+    ),
+    (
+        '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": 1}};',
+        ParsedOutput(None, [("f", "{}"), ("g", '{"x": 1}')]),
+    ),
+    ('  \n{"name": "f", "parameters": {}}\n', ParsedOutput(None, [("f", "{}")])),
+]
+LLAMA_NOT_CALLS = [
+    "The weather is fine.",
+    'Call {"name": "f", "parameters": {}}',  # text first: an answer that shows JSON
+    '{"name": "f", "parameters": {}} {"name": "g", "parameters": {}}',  # no ";" between
+    '{"city": "Paris"}',  # JSON, not a call
+    '{"name": "f", "parameters": {',  # cut short
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), HERMES_CASES)
+def test_hermes_calls(text, expected):
+    assert parse_tool_calls("hermes", text) == expected
+
+
+@pytest.mark.parametrize("text", HERMES_NOT_CALLS)
+def test_hermes_text_without_valid_calls_is_content(text):
+    assert parse_tool_calls("hermes", text) == ParsedOutput(text, [])
+
+
+@pytest.mark.parametrize(("text", "expected"), LLAMA_CASES)
+def test_llama3_json_calls(text, expected):
+    assert parse_tool_calls("llama3_json", text) == expected
+
+
+@pytest.mark.parametrize("text", LLAMA_NOT_CALLS)
+def test_llama3_json_text_without_valid_calls_is_content(text):
+    assert parse_tool_calls("llama3_json", text) == ParsedOutput(text, [])
+
+
+STREAMED = [("hermes", text) for text, _ in HERMES_CASES]
+STREAMED += [("hermes", text) for text in HERMES_NOT_CALLS + ["a < b, <tool but no call"]]
+STREAMED += [("llama3_json", text) for text, _ in LLAMA_CASES]
+STREAMED += [("llama3_json", text) for text in LLAMA_NOT_CALLS + ["<b>bold</b>"]]
+
+
+@pytest.mark.parametrize(("parser", "text"), STREAMED)
+def test_streamed_content_is_never_taken_back(parser, text):
+    """At every length of the growing output, the text let go of so far starts the content of
+    the whole output (no call's text goes out as content first)."""
+    content = parse_tool_calls(parser, text).content or ""
+    released = 0
+    for length in range(len(text) + 1):
+        released = max(released, content_end(parser, text[:length]))
+        assert content.startswith(text[:released]), (length, text[:released])
+
+
+PLAIN = [
+    ("hermes", "No tools needed: 4."),
+    ("hermes", "a < b, <tool but no call"),
+    ("llama3_json", "The weather is fine."),
+    ("llama3_json", 'Call {"name": "f", "parameters": {}}'),
+    ("llama3_json", "<b>bold</b>"),
+]
+
+
+@pytest.mark.parametrize(("parser", "text"), PLAIN)
+def test_plain_text_is_let_go_of_as_it_comes(parser, text):
+    assert content_end(parser, text) == len(text)
+
+
+def test_hermes_holds_only_what_may_begin_a_tag():
+    assert content_end("hermes", "Sure <tool") == len("Sure ")
+    assert content_end("hermes", "Sure <b") == len("Sure <b")
+    assert content_end("hermes", "Sure <tool_call>{") == len("Sure ")
+
+
+def test_a_worker_with_auto_tool_choice_needs_a_parser():
+    command = [sys.executable, "-m", "tandem.cli", "worker", "--enable-auto-tool-choice"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert finished.returncode != 0
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in finished.stderr
