@@ -74,6 +74,7 @@ def test_auto_tool_choice_reaches_every_worker():
         flags = plan.argv[plan.argv.index("--enable-auto-tool-choice") :]
         assert flags[:3] == ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     assert run(serve_args("--enable-auto-tool-choice")) == 2  # which parser is not said
+    assert run(serve_args("--enable-auto-tool-choice", "--tool-call-parser", "nope")) == 2
     # the parser alone does not turn "auto" on, as in the worker
     args = serve_args("--tool-call-parser", "hermes")
     spec = parse_cluster(merge_overrides(DEFAULT_CLUSTER, cluster_overrides(args)))

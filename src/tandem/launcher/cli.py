@@ -2,8 +2,8 @@
 
 Flags given on the command line override the file; without a file, the cluster is one prefill
 and one decode worker on the default model; the KV transport is GPU-direct (cuda-ipc) when the
-workers run on GPUs, TCP otherwise. Imports only argparse, the standard library and
-standard-library-only modules of tandem at import time.
+workers run on GPUs, TCP otherwise. Imports only argparse and
+the standard library at import time.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Any
-
-from tandem.server.tool_calls import TOOL_CALL_PARSERS
 
 ROLES = ("prefill", "decode", "both", "pd")
 DEFAULT_CLUSTER: dict[str, Any] = {
@@ -55,8 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--tool-call-parser",
-        choices=TOOL_CALL_PARSERS,
-        help="the model's tool call format (see tandem worker --help)",
+        metavar="NAME",
+        help="the model's tool call format: hermes or llama3_json (see tandem worker --help)",
     )
     parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="the router's port (default 8000)")
