@@ -23,6 +23,13 @@ from typing import Any
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(
+    re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|\Z)", re.DOTALL
+)
+PYTHON_TAG = "<|python_tag|>"
+_SEPARATOR = re.compile(r"\s*(?:;\s*|\Z)")  # between two llama3_json calls, or at the end
+
 
 @dataclass
 class ParsedOutput:
@@ -46,13 +53,6 @@ def content_end(parser: str, text: str) -> int:
     if not head or head.startswith("{") or PYTHON_TAG.startswith(head[: len(PYTHON_TAG)]):
         return 0  # may still become calls
     return len(text)
-
-
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(
-    re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|\Z)", re.DOTALL
-)
-PYTHON_TAG = "<|python_tag|>"
 
 
 def _parse_hermes(text: str) -> ParsedOutput:
@@ -89,9 +89,6 @@ def _parse_llama3_json(text: str) -> ParsedOutput:
         position = separator.end()
     calls = _calls_of(values)
     return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
-
-
-_SEPARATOR = re.compile(r"\s*(?:;\s*|\Z)")
 
 
 def _calls_of(values: list[Any]) -> list[tuple[str, str]]:
