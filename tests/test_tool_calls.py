@@ -69,30 +69,24 @@ LLAMA_NOT_CALLS = [
 ]
 
 
-@pytest.mark.parametrize(("text", "expected"), HERMES_CASES)
-def test_hermes_calls(text, expected):
-    assert parse_tool_calls("hermes", text) == expected
+CALLS = [("hermes", *case) for case in HERMES_CASES]
+CALLS += [("llama3_json", *case) for case in LLAMA_CASES]
+NOT_CALLS = [("hermes", text) for text in HERMES_NOT_CALLS]
+NOT_CALLS += [("llama3_json", text) for text in LLAMA_NOT_CALLS]
 
 
-@pytest.mark.parametrize("text", HERMES_NOT_CALLS)
-def test_hermes_text_without_valid_calls_is_content(text):
-    assert parse_tool_calls("hermes", text) == ParsedOutput(text, [])
+@pytest.mark.parametrize(("parser", "text", "expected"), CALLS)
+def test_calls_are_found(parser, text, expected):
+    assert parse_tool_calls(parser, text) == expected
 
 
-@pytest.mark.parametrize(("text", "expected"), LLAMA_CASES)
-def test_llama3_json_calls(text, expected):
-    assert parse_tool_calls("llama3_json", text) == expected
+@pytest.mark.parametrize(("parser", "text"), NOT_CALLS)
+def test_text_without_valid_calls_is_content(parser, text):
+    assert parse_tool_calls(parser, text) == ParsedOutput(text, [])
 
 
-@pytest.mark.parametrize("text", LLAMA_NOT_CALLS)
-def test_llama3_json_text_without_valid_calls_is_content(text):
-    assert parse_tool_calls("llama3_json", text) == ParsedOutput(text, [])
-
-
-STREAMED = [("hermes", text) for text, _ in HERMES_CASES]
-STREAMED += [("hermes", text) for text in HERMES_NOT_CALLS + ["a < b, <tool but no call"]]
-STREAMED += [("llama3_json", text) for text, _ in LLAMA_CASES]
-STREAMED += [("llama3_json", text) for text in LLAMA_NOT_CALLS + ["<b>bold</b>"]]
+STREAMED = [(parser, text) for parser, text, _ in CALLS] + NOT_CALLS
+STREAMED += [("hermes", "a < b, <tool but no call"), ("llama3_json", "<b>bold</b>")]
 
 
 @pytest.mark.parametrize(("parser", "text"), STREAMED)
