@@ -12,7 +12,6 @@ import argparse
 import sys
 from typing import Any
 
-ROLES = ("prefill", "decode", "both", "pd")
 DEFAULT_CLUSTER: dict[str, Any] = {
     "roles": {
         "prefill": {"count": 1, "engine": {"kv_transport": "auto"}},
@@ -81,6 +80,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The dotted keys that the flags given on the command line set."""
+    from tandem.launcher.cluster import WORKER_ROLES
+
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     flags = {
         "model": args.model,
@@ -92,7 +93,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "roles.prefill.engine.kv_transport": args.kv_transport,
         "roles.decode.engine.kv_transport": args.kv_transport,
         "roles.pd.engine.kv_transport": args.kv_transport,
-        **{f"roles.{role}.engine.tool_call_parser": parser for role in ROLES},
+        **{f"roles.{role}.engine.tool_call_parser": parser for role in WORKER_ROLES},
         "router.host": args.host,
         "ports.router": args.port,
         "ports.workers": args.worker_port_base,

@@ -82,6 +82,9 @@ class RolesSpec(_Strict):
     pd: RoleSpec = RoleSpec()
 
 
+WORKER_ROLES = tuple(RolesSpec.model_fields)  # in the order their workers are planned
+
+
 class PortsSpec(_Strict):
     router: int = Field(default=8000, gt=0, lt=65536)
     workers: int | None = Field(default=None, gt=0, lt=65536)  # default: router + 100
@@ -133,7 +136,7 @@ def _describe(value: object) -> str:
 def check_cluster(spec: ClusterSpec) -> ClusterSpec:
     """Returns `spec` if it can work, else raises ClusterError naming the first problem."""
     roles = spec.roles
-    counts = {name: getattr(roles, name).count for name in ("prefill", "decode", "both", "pd")}
+    counts = {name: getattr(roles, name).count for name in WORKER_ROLES}
     if sum(counts.values()) == 0:
         raise ClusterError("The cluster has no workers: give prefill, decode, both or pd a count.")
     if counts["prefill"] and not counts["decode"]:

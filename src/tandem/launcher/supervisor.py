@@ -29,7 +29,7 @@ from typing import TextIO
 
 import httpx
 
-from tandem.launcher.cluster import ClusterSpec
+from tandem.launcher.cluster import WORKER_ROLES, ClusterSpec
 
 PR_SET_PDEATHSIG = 1
 
@@ -62,7 +62,7 @@ def plan_processes(
     plans: list[ProcessPlan] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     next_gpu = 0  # one GPU per worker, two per pd server (its prefill's, then its decode's)
-    for role in ("prefill", "decode", "both", "pd"):
+    for role in WORKER_ROLES:
         for index in range(getattr(spec.roles, role).count):
             slot = len(plans)
             port = spec.worker_port_base + slot
