@@ -50,16 +50,18 @@ buffer (on its GPU, mapped by the decode worker like the cache). Its engine thre
 block copy behind that event at once, so the copy's host work overlaps the prefill's last
 layers and sampling. Once the first token's sampling is queued too, the sampled token is copied
 into the slot and a second IPC event recorded after it, which a further early announcement
-names (slot and events are one of a few sets the prefill worker makes at start and reuses in
-turn). The announcement proper (first token, or why the prefill gave up) follows on the same
+names (slot and events are one of a few sets the prefill worker makes at start; a set is its
+lease's until that ends, and a prefill with none free announces the handoff only when it is
+done). The announcement proper (first token, or why the prefill gave up) follows on the same
 connection, and only with it is the load reported. The decode stream's work waits for the copy
 from then on, not before (the copy waits for another process's GPU work), with one exception:
 once the token's event is known, an idle decode engine may run the request's first decode step
 ahead of the announcement proper (`first_tokens_on_device`, see the scheduler), its input token
-read from the prefill's slot on the GPU behind the copy and that event (`write_device_inputs`):
-the step then starts as the prefill's GPU is done, not after the first token's round trip
-through both hosts. A prefill that gives up after an early announcement keeps its blocks until
-the decode worker lets go of them; a launched copy is always confirmed once done.
+read from the prefill's slot on the GPU behind the copy and that event (`write_device_inputs`),
+and the confirmation waits for that read: the step then starts as the prefill's GPU is done, not
+after the first token's round trip through both hosts. A prefill that gives up after an early
+announcement keeps its blocks until the decode worker lets go of them; a launched copy is always
+confirmed once done.
 
 Blocks of remote and local caches line up one to one: remote block k holds prompt tokens
 [k * block_size, (k + 1) * block_size), the same tokens as local block k of the request.
@@ -70,6 +72,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -135,6 +138,8 @@ class ReadyCopy:
     after: torch.cuda.Event | None = None  # early: the prefill's event the copy waits for
     first_token: torch.Tensor | None = None  # early: the prefill's slot of it, mapped here
     token_event: torch.cuda.Event | None = None  # early: recorded after the token's copy there
+    # run ahead: recorded after the step's read of that slot, which the confirmation waits for
+    slot_read: torch.cuda.Event | None = None
     announced: bool = True  # early: False until the announcement proper is in
     launched: bool = False  # the engine thread has queued the copy (or given it up)
     failure: str | None = None
@@ -159,6 +164,7 @@ class Lease:
     events: list[Any] = field(default_factory=list)  # CUDA events, one per layer
     transferable: bool = False  # the prefill is done and its transfer parameters went out
     held: bool = False  # a decode worker reads the blocks (cuda-ipc): it ends when it lets go
+    early_slot: int | None = None  # cuda-ipc: the early announcement's slot, free once it ends
 
 
 def transport_params(request: Request) -> dict[str, Any]:
@@ -235,7 +241,7 @@ class PDConnector(KVConnector):
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ipc_handle: str | None = None
         self.early_slots: list[EarlySlot] = []  # cuda-ipc prefill: early announcements
-        self.next_early_slot = 0
+        self.free_early_slots: deque[int] = deque()  # ... those no lease names
         self.first_token_slots: torch.Tensor | None = None  # ... their first-token buffer
         self.first_token_handle: str | None = None
         self.announced_early: dict[str, int] = {}  # request id -> slot, until its token is in
@@ -428,6 +434,7 @@ class PDConnector(KVConnector):
                 EarlySlot(events[i], handles[i], events[i + 1], handles[i + 1])
                 for i in range(0, len(events), 2)
             ]
+            self.free_early_slots = deque(range(EARLY_SLOTS))
             self.first_token_slots = torch.zeros(EARLY_SLOTS, dtype=torch.int64, device=self.device)
             self.first_token_handle = export_handle(self.first_token_slots)
         if self.gpu_direct and self.config.loads_kv:
@@ -509,18 +516,19 @@ class PDConnector(KVConnector):
 
     def _announce_early(self, spec: SaveSpec) -> None:
         """A decode worker that waits for this handoff already gets the blocks now, with an
-        event to queue its copy behind and the slot the first token will be copied into."""
+        event to queue its copy behind and the slot the first token will be copied into. The
+        slot is the lease's until it ends (the decode reads it before it confirms); with none
+        free, the handoff waits for the announcement proper."""
         request = self.remote_decode.get(spec.request_id)
         handoff_id = self._handoff_id(request) if request is not None else None
         if handoff_id is None:
             return
         with self.lock:
             lease = self.leases.get(spec.request_id)
-            if lease is None:
+            if lease is None or not self.free_early_slots:
                 return
+            slot_index = lease.early_slot = self.free_early_slots.popleft()
             lease.transferable = True  # a hold may come with the early announcement
-        slot_index = self.next_early_slot
-        self.next_early_slot = (slot_index + 1) % len(self.early_slots)
         slot = self.early_slots[slot_index]
         slot.kv_event.record(torch.cuda.current_stream(self.device))
         message = dict(
@@ -534,6 +542,8 @@ class PDConnector(KVConnector):
         else:
             with self.lock:
                 lease.transferable = False
+                lease.early_slot = None
+                self.free_early_slots.append(slot_index)
 
     def start_load_kv(self, metadata: ConnectorMetadata | None) -> None:
         if metadata is None:
@@ -812,16 +822,26 @@ class PDConnector(KVConnector):
     def write_device_inputs(self, metadata: ConnectorMetadata | None, input_ids: torch.Tensor):
         """Put the first tokens of this step's run-ahead handoffs in their stand-ins' places,
         read from the prefill's GPU once their KV copies are done and the tokens are in their
-        slots (the step waits for both)."""
+        slots (the step waits for both); a token announced meanwhile is written from here. A
+        read is queued before the announcement proper is taken in (under the lock), so the
+        confirmation, which follows that announcement, waits for it: the prefill reuses the
+        slot only once the lease ends."""
         if metadata is None or not metadata.device_inputs:
             return
         with self.lock:
-            copies = [self.ahead_copies.pop(request_id) for _, request_id in metadata.device_inputs]
-            self.counters["kv_handoffs_ahead"] += len(copies)
-        for (offset, _), copy in zip(metadata.device_inputs, copies, strict=True):
-            self.engine_stream.wait_event(copy.events[1] if copy.events else copy.after)
-            self.engine_stream.wait_event(copy.token_event)
-            input_ids[offset : offset + 1].copy_(copy.first_token)
+            for offset, request_id in metadata.device_inputs:
+                copy = self.ahead_copies.pop(request_id)
+                self.counters["kv_handoffs_ahead"] += 1
+                self.engine_stream.wait_event(copy.events[1] if copy.events else copy.after)
+                stand_in = input_ids[offset : offset + 1]
+                if copy.announced:  # the token or the failure is in: the slot is not read
+                    if copy.handed_off is not None:
+                        stand_in.fill_(copy.handed_off.token_id)
+                    continue
+                self.engine_stream.wait_event(copy.token_event)
+                stand_in.copy_(copy.first_token)
+                copy.slot_read = torch.cuda.Event()
+                copy.slot_read.record(self.engine_stream)
 
     def _finish_copy(self, copy: ReadyCopy) -> None:
         """Report a GPU-direct load whose copy is queued (unless given up) and whose first
@@ -852,12 +872,15 @@ class PDConnector(KVConnector):
         seconds: float | None,
     ) -> None:
         """Confirmation thread: once the copy is done, record the transfer's time (`seconds`
-        until the copy was queued, plus the copy on the GPU; None: not a load) and confirm."""
+        until the copy was queued, plus the copy on the GPU; None: not a load) and confirm,
+        after a run-ahead step's read of the prefill's first-token slot, if one was queued."""
         if events is not None:
             queued, done = events
             done.synchronize()
             if seconds is not None:
                 seconds += queued.elapsed_time(done) / 1e3
+        if copy.slot_read is not None:
+            copy.slot_read.synchronize()
         if seconds is not None:
             with self.lock:
                 self.new_transfer_seconds.append(seconds)
@@ -936,7 +959,7 @@ class PDConnector(KVConnector):
                     lease.held = False
             return
         with self.lock:
-            lease = self.leases.pop(request_id, None)
+            lease = self._pop_lease(request_id)
             if lease is None:
                 return
             self.counters["kv_bytes_sent"] += lease.num_bytes
@@ -954,6 +977,13 @@ class PDConnector(KVConnector):
             lease.held = True
             return True
 
+    def _pop_lease(self, request_id: str) -> Lease | None:
+        """With the lock held: a lease that ends, its early announcement's slot freed."""
+        lease = self.leases.pop(request_id, None)
+        if lease is not None and lease.early_slot is not None:
+            self.free_early_slots.append(lease.early_slot)
+        return lease
+
     def _end_lease(self, request_id: str, report: bool) -> None:
         """Ends a lease (expired, released, or not needed); a held one ends once let go."""
         with self.lock:
@@ -961,7 +991,7 @@ class PDConnector(KVConnector):
             if lease is not None and lease.held:
                 lease.deadline = 0.0  # the first expiry check after the hold ends it
                 return
-            lease = self.leases.pop(request_id, None)
+            lease = self._pop_lease(request_id)
             if lease is not None and report:
                 self.finished_sending.add(request_id)
         if lease is not None:
