@@ -16,6 +16,7 @@ from tandem.launcher.cluster import (
     parse_cluster,
 )
 from tandem.launcher.supervisor import Supervisor, plan_processes
+from tandem.server.tool_calls import TOOL_CALL_PARSERS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster.yaml"
 
@@ -65,14 +66,17 @@ def test_flags_override_the_defaults_and_the_file():
     assert spec.roles.decode.count == 3 and spec.roles.decode.engine.max_num_seqs == 64
 
 
-def test_auto_tool_choice_reaches_every_worker():
-    args = serve_args("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--both", "1")
+@pytest.mark.parametrize("tool_call_parser", TOOL_CALL_PARSERS)  # each one the workers know
+def test_auto_tool_choice_reaches_every_worker(tool_call_parser):
+    args = serve_args(
+        "--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser, "--both", "1"
+    )
     spec = parse_cluster(merge_overrides(DEFAULT_CLUSTER, cluster_overrides(args)))
     workers = plan_processes(spec, "cpu", num_gpus=0, python="py")[:-1]
     assert [plan.name for plan in workers] == ["prefill-0", "decode-0", "both-0"]
     for plan in workers:
         flags = plan.argv[plan.argv.index("--enable-auto-tool-choice") :]
-        assert flags[:3] == ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+        assert flags[:3] == ("--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser)
     assert run(serve_args("--enable-auto-tool-choice")) == 2  # which parser is not said
     assert run(serve_args("--enable-auto-tool-choice", "--tool-call-parser", "nope")) == 2
     # the parser alone does not turn "auto" on, as in the worker

@@ -68,11 +68,47 @@ LLAMA_NOT_CALLS = [
     '{"name": "f", "parameters": {',  # cut short
 ]
 
+PYTHONIC_CASES = [
+    (  # literals of every kind, a call without arguments
+        '[get_weather(city="Paris", days=3, hot=True, unit=None, ids=[1, {"a": 2.5}]), get_time()]',
+        ParsedOutput(
+            None,
+            [
+                (
+                    "get_weather",
+                    '{"city": "Paris", "days": 3, "hot": true, "unit": null, '
+                    '"ids": [1, {"a": 2.5}]}',
+                ),
+                ("get_time", "{}"),
+            ],
+        ),
+    ),
+    (  # Llama 4's tags around the list, non-ASCII kept, a tuple as a list
+        '<|python_start|>[f(x="é", pair=(1, 2))]<|python_end|>\n',
+        ParsedOutput(None, [("f", '{"x": "é", "pair": [1, 2]}')]),
+    ),
+]
+PYTHONIC_NOT_CALLS = [
+    "The weather is fine.",
+    "Call [f()] for that",  # text first
+    "[f(1)]",  # a positional argument
+    "[f(a=b)]",  # a name, not a literal
+    "[f(**options)]",
+    "[tools.f(a=1)]",  # not a plain name
+    "[f(a={1, 2})]",  # a set: no JSON for it
+    "[f(a=1e999)]",  # infinity: no JSON for it either
+    "[]",
+    "[f(a=1), 3]",  # one element not a call: none
+    '[f(a="x"',  # cut short
+]
+
 
 CALLS = [("hermes", *case) for case in HERMES_CASES]
 CALLS += [("llama3_json", *case) for case in LLAMA_CASES]
+CALLS += [("pythonic", *case) for case in PYTHONIC_CASES]
 NOT_CALLS = [("hermes", text) for text in HERMES_NOT_CALLS]
 NOT_CALLS += [("llama3_json", text) for text in LLAMA_NOT_CALLS]
+NOT_CALLS += [("pythonic", text) for text in PYTHONIC_NOT_CALLS]
 
 
 @pytest.mark.parametrize(("parser", "text", "expected"), CALLS)
@@ -87,6 +123,7 @@ def test_text_without_valid_calls_is_content(parser, text):
 
 STREAMED = [(parser, text) for parser, text, _ in CALLS] + NOT_CALLS
 STREAMED += [("hermes", "a < b, <tool but no call"), ("llama3_json", "<b>bold</b>")]
+STREAMED += [("pythonic", "<|python_tag|> is not the start tag")]
 
 
 @pytest.mark.parametrize(("parser", "text"), STREAMED)
@@ -106,6 +143,9 @@ PLAIN = [
     ("llama3_json", "The weather is fine."),
     ("llama3_json", 'Call {"name": "f", "parameters": {}}'),
     ("llama3_json", "<b>bold</b>"),
+    ("pythonic", "The weather is fine."),
+    ("pythonic", "Call [f()] for that"),
+    ("pythonic", "<|python_tag|> is not the start tag"),
 ]
 
 

@@ -8,6 +8,9 @@ Each parser knows one output format:
   text before the first `<tool_call>` is the message's content.
 * `llama3_json`: the whole output is one or more `{"name": ..., "parameters": {...}}` objects,
   separated by `;`, perhaps after `<|python_tag|>` (Llama 3.1 and 3.2).
+* `pythonic`: the whole output is a Python list of calls with keyword arguments of literal
+  values, `[get_weather(city="Paris"), get_time()]`, perhaps between `<|python_start|>` and
+  `<|python_end|>` (Llama 3.2 and 4 in their pythonic templates, ToolACE).
 
 An output whose calls are not all valid JSON of that shape is content, with no calls, as in vLLM.
 While a response streams, `content_end` says how much of the text so far is surely content: the
@@ -16,18 +19,22 @@ rest may begin a call and is held until the output ends.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(
     re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|\Z)", re.DOTALL
 )
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+# The formats that are the whole output: the character a call begins with, and a tag before it.
+_WHOLE_OUTPUT_STARTS = {"llama3_json": ("{", PYTHON_TAG), "pythonic": ("[", PYTHON_START)}
 _SEPARATOR = re.compile(r"\s*(?:;\s*|\Z)")  # between two llama3_json calls, or at the end
 
 
@@ -41,6 +48,8 @@ def parse_tool_calls(parser: str, text: str) -> ParsedOutput:
     """The output's content and calls, in the format `parser` names."""
     if parser == "hermes":
         return _parse_hermes(text)
+    if parser == "pythonic":
+        return _parse_pythonic(text)
     return _parse_llama3_json(text)
 
 
@@ -49,8 +58,9 @@ def content_end(parser: str, text: str) -> int:
     if parser == "hermes":
         start = text.find(HERMES_START)
         return start if start >= 0 else len(text) - _partial_suffix(text, HERMES_START)
+    opening, tag = _WHOLE_OUTPUT_STARTS[parser]
     head = text.lstrip()
-    if not head or head.startswith("{") or PYTHON_TAG.startswith(head[: len(PYTHON_TAG)]):
+    if not head or head.startswith(opening) or tag.startswith(head[: len(tag)]):
         return 0  # may still become calls
     return len(text)
 
@@ -89,6 +99,30 @@ def _parse_llama3_json(text: str) -> ParsedOutput:
         position = separator.end()
     calls = _calls_of(values)
     return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
+
+
+def _parse_pythonic(text: str) -> ParsedOutput:
+    rest = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    if not rest.startswith("["):
+        return ParsedOutput(text, [])
+    try:
+        tree = ast.parse(rest, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return ParsedOutput(text, [])
+        calls = [_pythonic_call(node) for node in tree.elts]
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return ParsedOutput(text, [])
+    return ParsedOutput(None, calls)
+
+
+def _pythonic_call(node: ast.expr) -> tuple[str, str]:
+    """(name, arguments JSON) of `name(key=literal, ...)`; ValueError for anything else."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        raise ValueError("not a call with keyword arguments")
+    if any(keyword.arg is None for keyword in node.keywords):
+        raise ValueError("**kwargs in a call")
+    arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+    return node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
 def _calls_of(values: list[Any]) -> list[tuple[str, str]]:
