@@ -579,6 +579,27 @@ def test_auto_tool_calls(client, llm):
     assert plain.choices[0].finish_reason == plain_reference.finish_reason
 
 
+def test_mistral_tool_call_parser_keeps_special_tokens(tmp_path, llm):
+    """The mistral parser's markers are special tokens, so with it tool_choice "auto" keeps
+    special tokens in the text (as vLLM does): the answer is the offline engine's text with
+    skip_special_tokens off, an end-of-turn token in it (ignore_eos writes on past it); with
+    tool_choice "none" they are skipped as usual."""
+    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "mistral")
+    params = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    (kept,) = offline(llm, FRANCE, skip_special_tokens=False, **params)
+    (skipped,) = offline(llm, FRANCE, **params)
+    assert kept.text != skipped.text  # a special token to keep
+    with running_worker(tmp_path, *flags) as worker:
+        client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0)
+        for tool_choice, expected in (("auto", kept.text), ("none", skipped.text)):
+            answer = client.chat.completions.create(
+                model=MODEL, messages=FRANCE, tools=WEATHER_TOOLS, tool_choice=tool_choice,
+                temperature=0, max_tokens=16, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert answer.choices[0].message.content == expected
+            assert not answer.choices[0].message.tool_calls
+
+
 def test_vllm_prompt_logprobs(client, llm):
     (offline_output,) = llm.generate(
         [FRUITS], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)

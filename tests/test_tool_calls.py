@@ -68,6 +68,28 @@ LLAMA_NOT_CALLS = [
     '{"name": "f", "parameters": {',  # cut short
 ]
 
+MISTRAL_CASES = [
+    (  # before v11: one JSON list after the token, a space between (as the tokenizer decodes)
+        f"[TOOL_CALLS] [{json.dumps(WEATHER)}, {json.dumps(TIME)}]",
+        ParsedOutput(None, [("get_weather", arguments(WEATHER)), ("get_time", "{}")]),
+    ),
+    (  # content first, one object rather than a list, the other marker's text in a value
+        'Checking.[TOOL_CALLS]{"name": "f", "arguments": {"x": "é [ARGS]"}}',
+        ParsedOutput("Checking.", [("f", '{"x": "é [ARGS]"}')]),
+    ),
+    (  # v11: name[ARGS]{...} after each token
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+        ParsedOutput("Sure.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ),
+]
+MISTRAL_NOT_CALLS = [
+    "The weather is fine.",
+    '[TOOL_CALLS] [{"name": "f", "argu',  # cut short
+    "[TOOL_CALLS]get weather[ARGS]{}",  # not a function name
+    "[TOOL_CALLS]f[ARGS][1, 2]",  # arguments not an object
+    '[TOOL_CALLS][{"name": "f", "arguments": {}}][TOOL_CALLS]oops',  # one bad call: none
+]
+
 PYTHONIC_CASES = [
     (  # literals of every kind, a call without arguments
         '[get_weather(city="Paris", days=3, hot=True, unit=None, ids=[1, {"a": 2.5}]), get_time()]',
@@ -105,9 +127,11 @@ PYTHONIC_NOT_CALLS = [
 
 CALLS = [("hermes", *case) for case in HERMES_CASES]
 CALLS += [("llama3_json", *case) for case in LLAMA_CASES]
+CALLS += [("mistral", *case) for case in MISTRAL_CASES]
 CALLS += [("pythonic", *case) for case in PYTHONIC_CASES]
 NOT_CALLS = [("hermes", text) for text in HERMES_NOT_CALLS]
 NOT_CALLS += [("llama3_json", text) for text in LLAMA_NOT_CALLS]
+NOT_CALLS += [("mistral", text) for text in MISTRAL_NOT_CALLS]
 NOT_CALLS += [("pythonic", text) for text in PYTHONIC_NOT_CALLS]
 
 
@@ -123,7 +147,7 @@ def test_text_without_valid_calls_is_content(parser, text):
 
 STREAMED = [(parser, text) for parser, text, _ in CALLS] + NOT_CALLS
 STREAMED += [("hermes", "a < b, <tool but no call"), ("llama3_json", "<b>bold</b>")]
-STREAMED += [("pythonic", "<|python_tag|> is not the start tag")]
+STREAMED += [("pythonic", "<|python_tag|> is not the start tag"), ("mistral", "[TOOL] [1]")]
 
 
 @pytest.mark.parametrize(("parser", "text"), STREAMED)
@@ -143,6 +167,8 @@ PLAIN = [
     ("llama3_json", "The weather is fine."),
     ("llama3_json", 'Call {"name": "f", "parameters": {}}'),
     ("llama3_json", "<b>bold</b>"),
+    ("mistral", "The weather is fine."),
+    ("mistral", "A list: [1, 2]"),
     ("pythonic", "The weather is fine."),
     ("pythonic", "Call [f()] for that"),
     ("pythonic", "<|python_tag|> is not the start tag"),
@@ -154,10 +180,13 @@ def test_plain_text_is_let_go_of_as_it_comes(parser, text):
     assert content_end(parser, text) == len(text)
 
 
-def test_hermes_holds_only_what_may_begin_a_tag():
+def test_hermes_and_mistral_hold_only_what_may_begin_their_marker():
     assert content_end("hermes", "Sure <tool") == len("Sure ")
     assert content_end("hermes", "Sure <b") == len("Sure <b")
     assert content_end("hermes", "Sure <tool_call>{") == len("Sure ")
+    assert content_end("mistral", "Sure [TOOL_") == len("Sure ")
+    assert content_end("mistral", "Sure [1") == len("Sure [1")
+    assert content_end("mistral", "Sure [TOOL_CALLS]f") == len("Sure ")
 
 
 def test_a_worker_with_auto_tool_choice_needs_a_parser():

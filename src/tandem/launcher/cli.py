@@ -53,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--tool-call-parser",
         metavar="NAME",
-        help="the model's tool call format: hermes, llama3_json or pythonic "
+        help="the model's tool call format: hermes, llama3_json, mistral or pythonic "
         "(see tandem worker --help)",
     )
     parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")

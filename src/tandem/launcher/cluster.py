@@ -55,7 +55,7 @@ class EngineSettings(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     kv_transport: Literal["auto", "tcp", "cuda-ipc"] | None = None  # auto: cuda-ipc on GPUs
     # tool_choice "auto" answered with calls found in this format (--enable-auto-tool-choice)
-    tool_call_parser: Literal["hermes", "llama3_json", "pythonic"] | None = None
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None
     extra_args: tuple[str, ...] = ()
 
     def worker_flags(self) -> list[str]:

@@ -35,7 +35,7 @@ from tandem.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from tandem.server.tool_calls import content_end, parse_tool_calls
+from tandem.server.tool_calls import KEEPS_SPECIAL_TOKENS, content_end, parse_tool_calls
 
 
 class ClientError(Exception):
@@ -261,6 +261,8 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
                 '...}}) or "none"',
                 param="tool_choice",
             )
+        if body.auto_tool_choice() and settings.tool_call_parser in KEEPS_SPECIAL_TOKENS:
+            body.skip_special_tokens = False  # the calls' markers are special tokens
         options = body.template_options()
         prompt_ids = tokenize_messages(body.messages, options, body.add_special_tokens)
         base_id = client.new_request_id()

@@ -48,7 +48,8 @@ def add_parser(subparsers) -> None:
         default=None,
         choices=TOOL_CALL_PARSERS,
         help="the model's tool call format: hermes (Qwen2.5, Qwen3, Hermes, SmolLM2), "
-        "llama3_json (Llama 3.1, 3.2), pythonic (Llama 3.2 and 4 pythonic templates, ToolACE)",
+        "llama3_json (Llama 3.1, 3.2), mistral (Mistral; keeps special tokens in the text), "
+        "pythonic (Llama 3.2 and 4 pythonic templates, ToolACE)",
     )
     kv = parser.add_argument_group("KV transfer (PD)")
     kv.add_argument("--kv-transport", default=None, choices=["tcp", "cuda-ipc"])

@@ -8,6 +8,11 @@ Each parser knows one output format:
   text before the first `<tool_call>` is the message's content.
 * `llama3_json`: the whole output is one or more `{"name": ..., "parameters": {...}}` objects,
   separated by `;`, perhaps after `<|python_tag|>` (Llama 3.1 and 3.2).
+* `mistral`: the calls follow the `[TOOL_CALLS]` token, as a JSON list of `{"name": ...,
+  "arguments": {...}}` objects (Mistral 7B v0.3, Nemo, Small before 3.1), or as `name[ARGS]{...}`
+  after each such token (Mistral's tokenizers from v11 on). Both tokens are special: a request
+  parsed this way keeps special tokens in its text (`KEEPS_SPECIAL_TOKENS`), as in vLLM. The text
+  before the first `[TOOL_CALLS]` is the message's content.
 * `pythonic`: the whole output is a Python list of calls with keyword arguments of literal
   values, `[get_weather(city="Paris"), get_time()]`, perhaps between `<|python_start|>` and
   `<|python_end|>` (Llama 3.2 and 4 in their pythonic templates, ToolACE).
@@ -25,14 +30,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})  # its markers are special tokens
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(
     re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|\Z)", re.DOTALL
 )
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+_FUNCTION_NAME = re.compile(r"[\w.-]+")
 PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+_MARKERS = {"hermes": HERMES_START, "mistral": MISTRAL_CALLS}  # formats whose calls follow one
 # The formats that are the whole output: the character a call begins with, and a tag before it.
 _WHOLE_OUTPUT_STARTS = {"llama3_json": ("{", PYTHON_TAG), "pythonic": ("[", PYTHON_START)}
 _SEPARATOR = re.compile(r"\s*(?:;\s*|\Z)")  # between two llama3_json calls, or at the end
@@ -46,18 +55,15 @@ class ParsedOutput:
 
 def parse_tool_calls(parser: str, text: str) -> ParsedOutput:
     """The output's content and calls, in the format `parser` names."""
-    if parser == "hermes":
-        return _parse_hermes(text)
-    if parser == "pythonic":
-        return _parse_pythonic(text)
-    return _parse_llama3_json(text)
+    return _PARSERS[parser](text)
 
 
 def content_end(parser: str, text: str) -> int:
     """How many leading characters of a partial output are content whatever follows."""
-    if parser == "hermes":
-        start = text.find(HERMES_START)
-        return start if start >= 0 else len(text) - _partial_suffix(text, HERMES_START)
+    if parser in _MARKERS:
+        marker = _MARKERS[parser]
+        start = text.find(marker)
+        return start if start >= 0 else len(text) - _partial_suffix(text, marker)
     opening, tag = _WHOLE_OUTPUT_STARTS[parser]
     head = text.lstrip()
     if not head or head.startswith(opening) or tag.startswith(head[: len(tag)]):
@@ -76,6 +82,30 @@ def _parse_hermes(text: str) -> ParsedOutput:
         except ValueError:
             return ParsedOutput(text, [])
         found = _calls_of(value if isinstance(value, list) else [value])
+        if not found:
+            return ParsedOutput(text, [])
+        calls += found
+    return ParsedOutput(text[:start] or None, calls)
+
+
+def _parse_mistral(text: str) -> ParsedOutput:
+    start = text.find(MISTRAL_CALLS)
+    if start < 0:
+        return ParsedOutput(text, [])
+    calls: list[tuple[str, str]] = []
+    for segment in text[start:].split(MISTRAL_CALLS)[1:]:
+        as_json = segment.lstrip().startswith(("[", "{"))  # else name[ARGS]{...}
+        name, _, arguments = segment.partition(MISTRAL_ARGS)
+        try:
+            value = json.loads(segment if as_json else arguments)
+        except ValueError:
+            return ParsedOutput(text, [])
+        if as_json:
+            found = _calls_of(value if isinstance(value, list) else [value])
+        else:
+            name = name.strip()
+            valid = _FUNCTION_NAME.fullmatch(name) and isinstance(value, dict)
+            found = [(name, json.dumps(value, ensure_ascii=False))] if valid else []
         if not found:
             return ParsedOutput(text, [])
         calls += found
@@ -123,6 +153,14 @@ def _pythonic_call(node: ast.expr) -> tuple[str, str]:
         raise ValueError("**kwargs in a call")
     arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
     return node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+
+
+_PARSERS = {
+    "hermes": _parse_hermes,
+    "llama3_json": _parse_llama3_json,
+    "mistral": _parse_mistral,
+    "pythonic": _parse_pythonic,
+}
 
 
 def _calls_of(values: list[Any]) -> list[tuple[str, str]]:
