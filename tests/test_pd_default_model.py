@@ -20,11 +20,13 @@ import httpx
 import pytest
 
 from pd_fixtures import (
+    Completion,
     assert_nothing_held,
     metric,
     post,
     prefill_leg,
     prompt_set,
+    read_stream,
     run_direct,
     run_pd,
     run_pd_and_direct,
@@ -33,7 +35,7 @@ from pd_fixtures import (
     wait_until,
     with_defaults,
 )
-from worker_fixtures import DEFAULT_MODEL, free_port
+from worker_fixtures import DEFAULT_MODEL, free_port, start_tandem
 
 MAX_TOKENS = 8
 BLOCK_SIZE = 16
@@ -206,6 +208,55 @@ def test_stop_string_on_the_first_token_ends_at_prefill(client, trio):
     assert choice["finish_reason"] == "stop" and choice["text"] == ""
     assert params is None
     assert_nothing_held(trio["prefill"], timeout=2.0)
+
+
+@pytest.fixture(scope="module")
+def routers(trio, tmp_path_factory) -> Iterator[dict]:
+    """tandem routers over the trio's prefill and decode workers: the handoff flow, and the
+    legs in sequence."""
+    log_dir = tmp_path_factory.mktemp("routers")
+    pair = ("--prefill", trio["prefill"].url, "--decode", trio["decode"].url)
+    started = {
+        "handoff": start_tandem(log_dir, "router", *pair),
+        "in sequence": start_tandem(log_dir, "router", *pair, "--no-handoff"),
+    }
+    try:
+        for router in started.values():
+            router.wait_healthy()
+        yield started
+    finally:
+        for router in started.values():
+            router.stop()
+
+
+def streamed(client: httpx.Client, url: str, body: dict) -> tuple[Completion, list[str]]:
+    """A streamed completion and the tokens its logprobs name, chunk after chunk."""
+    with client.stream("POST", url + "/v1/completions", json=with_defaults(body)) as response:
+        assert response.status_code == 200, response.read()
+        chunks = read_stream(response)
+    logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+    return Completion.from_chunks(chunks), [t for lp in logprobs if lp for t in lp["tokens"]]
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        [" girl named"],  # begun by the first token, completed by the second
+        [" girl named Bob"],  # begun by the first token, never completed: held, then sent
+        [" named"],  # the second token
+    ],
+)
+def test_stop_strings_and_logprobs_through_the_router(client, trio, routers, stop):
+    """Streamed through the router (handoff, and the legs in sequence), with stop strings
+    that the first token (" girl") begins: the `both` worker's text, tokens and finish, and
+    each token's logprobs once (the router sends the first token's from the prefill answer)."""
+    body = {"prompt": "Once upon a time, there was a little", "max_tokens": 6, "stop": stop}
+    body.update(temperature=0.0, logprobs=1, stream=True)
+    expected = streamed(client, trio["both"].url, body)
+    assert expected[0].token_ids and expected[1]
+    for name, router in routers.items():
+        assert streamed(client, router.url, body) == expected, name
+    assert_nothing_held(trio["prefill"], trio["decode"])
 
 
 @pytest.fixture(scope="module")

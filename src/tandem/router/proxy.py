@@ -188,6 +188,13 @@ def needs_one_worker(endpoint: str, body: dict[str, Any]) -> bool:
     return bool(body.get("echo")) and body.get("logprobs") is not None
 
 
+def stop_hold_back(body: dict[str, Any]) -> int:
+    """How many characters of an unfinished output a worker's stream keeps back, as they may
+    begin one of the request's stop strings (the longest one's length - 1)."""
+    stop = body.get("stop") or []
+    return max((len(s) for s in ([stop] if isinstance(stop, str) else stop)), default=1) - 1
+
+
 def choice_text(endpoint: str, choice: dict[str, Any], *, streamed: bool) -> str:
     if endpoint == "completions":
         return choice.get("text") or ""
@@ -749,8 +756,11 @@ class Proxy:
     async def _decode_streamed(
         self, ctx: RequestContext, prefill: PrefillAnswer, opening: asyncio.Future[Leg]
     ) -> Flow:
-        """The first token from the prefill answer, then the decode leg `opening` relayed."""
+        """The first token from the prefill answer, then the decode leg `opening` relayed. The
+        first token's text goes out as a worker streams it: less what may begin a stop string
+        (the decode leg, which completes or rules out that string, sends the rest)."""
         first_text = prefill.first_text
+        first_text = first_text[: max(0, len(first_text) - stop_hold_back(ctx.body))]
         leg: Leg | None = None
         completed = False
         try:
@@ -797,10 +807,10 @@ class Proxy:
         return error_event(message, str(status))
 
     async def _relay_decode(self, ctx: RequestContext, leg: Leg, skip: int) -> Flow:
-        """The decode stream as client events: our id, and the first `skip` characters and the
-        first token id (both already sent from the prefill answer) cut."""
+        """The decode stream as client events: our id, and the first `skip` characters, the
+        first token id and its logprobs (all already sent from the prefill answer) cut."""
         text_key = "text" if ctx.endpoint == "completions" else "content"
-        skip_ids = 1
+        skip_ids = skip_logprobs = 1
         async for payload in iter_sse_data(leg.response.content.iter_any()):
             if payload == b"[DONE]":
                 yield b"data: [DONE]\n\n"
@@ -819,13 +829,14 @@ class Proxy:
                 if skip_ids and choice.get("token_ids"):
                     choice["token_ids"] = choice["token_ids"][skip_ids:]
                     skip_ids = 0
+                if skip_logprobs and choice.get("logprobs"):
+                    choice["logprobs"] = _without_first_logprob(choice["logprobs"])
+                    skip_logprobs = 0
                 if skip and holder.get(text_key):
                     text = holder[text_key]
                     cut = min(skip, len(text))
                     holder[text_key] = text[cut:]
                     skip -= cut
-                    if not holder[text_key]:
-                        choice["logprobs"] = None  # the first token's were sent already
             if (
                 choices
                 and not chunk.get("usage")
@@ -834,6 +845,15 @@ class Proxy:
                 continue
             yield sse_event(chunk)
         raise aiohttp.ClientPayloadError("the decode stream ended without [DONE]")
+
+
+def _without_first_logprob(logprobs: dict[str, Any]) -> dict[str, Any] | None:
+    """A chunk's logprobs less the first token's entry (chat: `content`; completions: the
+    parallel lists); None once none is left."""
+    lists = {key: value[1:] for key, value in logprobs.items() if isinstance(value, list)}
+    if not any(lists.values()):
+        return None
+    return dict(logprobs, **lists)
 
 
 def _is_empty(choice: dict[str, Any], endpoint: str) -> bool:
