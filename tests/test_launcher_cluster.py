@@ -16,6 +16,7 @@ from tandem.launcher.cluster import (
     parse_cluster,
 )
 from tandem.launcher.supervisor import Supervisor, plan_processes
+from tandem.server.reasoning import REASONING_PARSERS
 from tandem.server.tool_calls import TOOL_CALL_PARSERS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster.yaml"
@@ -64,6 +65,16 @@ def test_flags_override_the_defaults_and_the_file():
     data = yaml.safe_load(EXAMPLE.read_text())
     spec = parse_cluster(merge_overrides(data, cluster_overrides(serve_args("--decode", "3"))))
     assert spec.roles.decode.count == 3 and spec.roles.decode.engine.max_num_seqs == 64
+
+
+@pytest.mark.parametrize("reasoning_parser", REASONING_PARSERS)  # each one the workers know
+def test_the_reasoning_parser_reaches_every_worker(reasoning_parser):
+    args = serve_args("--reasoning-parser", reasoning_parser, "--both", "1")
+    spec = parse_cluster(merge_overrides(DEFAULT_CLUSTER, cluster_overrides(args)))
+    for plan in plan_processes(spec, "cpu", num_gpus=0, python="py")[:-1]:
+        flag = plan.argv.index("--reasoning-parser")
+        assert plan.argv[flag + 1] == reasoning_parser, plan.name
+    assert run(serve_args("--reasoning-parser", "nope")) == 2
 
 
 @pytest.mark.parametrize("tool_call_parser", TOOL_CALL_PARSERS)  # each one the workers know

@@ -600,6 +600,43 @@ def test_mistral_tool_call_parser_keeps_special_tokens(tmp_path, llm):
             assert not answer.choices[0].message.tool_calls
 
 
+def test_reasoning_parser_splits_reasoning_off_the_content(tmp_path, llm):
+    """A worker with --reasoning-parser deepseek_r1, on an output that holds `</think>`: the
+    offline engine's text, split at the tag by hand, as the message's reasoning (also as
+    `reasoning_content`) and content; streamed, the reasoning deltas come first and join to
+    the same, no part of the tag sent. A structured output is not split (held from its first
+    token, it has no reasoning)."""
+    messages = [{"role": "user", "content": "Echo back: <think>x</think>y"}]
+    (reference,) = offline(llm, messages, temperature=0, max_tokens=30)
+    reasoning, tag, content = reference.text.partition("</think>")
+    assert tag and reasoning and content  # the greedy output holds the end tag
+    with running_worker(tmp_path, "--reasoning-parser", "deepseek_r1") as worker:
+        client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0)
+        request = dict(model=MODEL, messages=messages, temperature=0, max_tokens=30)
+        message = client.chat.completions.create(**request).choices[0].message
+        assert message.content == content
+        assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"]
+        assert message.model_extra["reasoning"] == reasoning
+
+        deltas = [
+            chunk.choices[0].delta.model_dump()
+            for chunk in client.chat.completions.create(**request, stream=True)
+            if chunk.choices
+        ]
+        fields = [(name, d.get(name)) for d in deltas for name in ("reasoning", "content")]
+        fields = [(name, text) for name, text in fields if text]
+        assert "".join(text for name, text in fields if name == "reasoning") == reasoning
+        assert "".join(text for name, text in fields if name == "content") == content
+        names = [name for name, _ in fields]
+        assert names == sorted(names, reverse=True)  # every reasoning piece before the content
+        assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+        assert not any("</" in text for _, text in fields)
+
+        held = {"structured_outputs": {"regex": "Paris</think>x"}}
+        message = client.chat.completions.create(**request, extra_body=held).choices[0].message
+        assert message.content == "Paris</think>x" and "reasoning" not in message.model_extra
+
+
 def test_vllm_prompt_logprobs(client, llm):
     (offline_output,) = llm.generate(
         [FRUITS], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)

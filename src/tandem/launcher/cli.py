@@ -56,6 +56,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the model's tool call format: hermes, llama3_json, mistral or pythonic "
         "(see tandem worker --help)",
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="workers split reasoning off chat answers: deepseek_r1 or qwen3 "
+        "(see tandem worker --help)",
+    )
     parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="the router's port (default 8000)")
     parser.add_argument(
@@ -95,6 +101,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "roles.decode.engine.kv_transport": args.kv_transport,
         "roles.pd.engine.kv_transport": args.kv_transport,
         **{f"roles.{role}.engine.tool_call_parser": parser for role in WORKER_ROLES},
+        **{f"roles.{role}.engine.reasoning_parser": args.reasoning_parser for role in WORKER_ROLES},
         "router.host": args.host,
         "ports.router": args.port,
         "ports.workers": args.worker_port_base,

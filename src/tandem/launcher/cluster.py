@@ -56,6 +56,7 @@ class EngineSettings(_Strict):
     kv_transport: Literal["auto", "tcp", "cuda-ipc"] | None = None  # auto: cuda-ipc on GPUs
     # tool_choice "auto" answered with calls found in this format (--enable-auto-tool-choice)
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None  # chat reasoning split off
     extra_args: tuple[str, ...] = ()
 
     def worker_flags(self) -> list[str]:

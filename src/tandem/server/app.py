@@ -35,6 +35,7 @@ from tandem.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from tandem.server.reasoning import split_reasoning
 from tandem.server.tool_calls import KEEPS_SPECIAL_TOKENS, content_end, parse_tool_calls
 
 
@@ -54,6 +55,7 @@ class ServerSettings:
     # the model's generation config gives the defaults of sampling fields a request leaves out
     use_generation_config: bool = True
     tool_call_parser: str | None = None  # tool_choice "auto" answered with calls in this format
+    reasoning_parser: str | None = None  # chat answers' reasoning split off in this format
 
 
 @dataclass
@@ -66,7 +68,10 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list | None = None  # one entry per prompt token, None for the first
-    content_sent: int = 0  # streamed chat with tool_choice "auto": characters of text sent
+    # streamed chat with tool_choice "auto" or a reasoning parser: characters of the content
+    # (the text after the reasoning, if any) and of the reasoning sent
+    content_sent: int = 0
+    reasoning_sent: int = 0
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -663,24 +668,39 @@ class ChatWriter(ResponseWriter):
         """The parser that finds this request's tool calls in its text (tool_choice "auto")."""
         return self.settings.tool_call_parser if self.body.auto_tool_choice() else None
 
+    @functools.cached_property
+    def reasoning_parser(self) -> str | None:
+        """The parser that splits this request's reasoning off its content; none under a
+        structured output or a forced tool call (held from the first token, there is no
+        reasoning to split off)."""
+        if self.settings.reasoning_parser is None or self.body.structured_output() is not None:
+            return None
+        return self.settings.reasoning_parser
+
     def answer(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
-        """The message's body (content, and the tool calls if any) and the finish reason,
-        which is "tool_calls" for tool_choice "required" and for calls found with "auto" (as in
-        vLLM)."""
-        content: str | None = choice.text
+        """The message's body (reasoning if split off, content, and the tool calls if any)
+        and the finish reason, which is "tool_calls" for tool_choice "required" and for calls
+        found with "auto" (as in vLLM)."""
+        text, body = choice.text, {}
+        if self.reasoning_parser is not None:
+            split = split_reasoning(self.reasoning_parser, text, finished=True)
+            text = text[split.content_start :] if split.content_start is not None else ""
+            if split.reasoning is not None:
+                body = {"reasoning": split.reasoning, "reasoning_content": split.reasoning}
+        content: str | None = (text or None) if body else text  # null beside reasoning
         calls, finish_reason = None, choice.finish_reason
         if (forced := self.body.forced_tool_calls()) is not None:
-            calls = self.forced_calls(choice.text)
+            calls = self.forced_calls(text)
             if calls is not None:
                 content = None
                 if forced == "required" and finish_reason == "stop":
                     finish_reason = "tool_calls"
         elif (parser := self.auto_tool_call_parser()) is not None:
-            parsed = parse_tool_calls(parser, choice.text)
+            parsed = parse_tool_calls(parser, text)
             if parsed.calls:
                 content, calls, finish_reason = parsed.content, parsed.calls, "tool_calls"
         if calls is None:
-            return {"content": content}, finish_reason
+            return {**body, "content": content}, finish_reason
         tool_calls = [
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -689,7 +709,7 @@ class ChatWriter(ResponseWriter):
             }
             for name, arguments in calls
         ]
-        return {"content": content, "tool_calls": tool_calls}, finish_reason
+        return {**body, "content": content, "tool_calls": tool_calls}, finish_reason
 
     def full_choice(self, index: int, choice: Choice) -> dict[str, Any]:
         body, finish_reason = self.answer(choice)
@@ -714,21 +734,21 @@ class ChatWriter(ResponseWriter):
     ) -> dict[str, Any] | None:
         """A chunk, or None when it would say nothing. Forced tool calls go out whole in the
         last chunk; with tool_choice "auto", text that may begin a call is held back until the
-        output ends, and the calls found in it go out whole in the last chunk."""
+        output ends, and the calls found in it go out whole in the last chunk. With a reasoning
+        parser, the reasoning goes out as `reasoning` (and `reasoning_content`, its older
+        name), less what may begin its end tag, and the content after it."""
         body, finish_reason = {"content": delta.text} if delta.text else {}, delta.finish_reason
         forced = self.body.forced_tool_calls() is not None
         parser = self.auto_tool_call_parser()
-        if forced or parser is not None:
+        if forced or parser is not None or self.reasoning_parser is not None:
             if delta.finish_reason is not None:
-                body, finish_reason = self.last_tool_delta(choice)
+                body, finish_reason = self.last_delta(choice)
             elif forced:
                 return None
             else:
-                end = max(choice.content_sent, content_end(parser, choice.text))
-                piece, choice.content_sent = choice.text[choice.content_sent : end], end
-                body = {"content": piece} if piece else {}
+                body = self.pieces_so_far(choice, parser)
                 says_more = delta.logprobs or (self.body.return_token_ids and delta.token_ids)
-                if not piece and not says_more:
+                if not body and not says_more:
                     return None
         return {
             "index": index,
@@ -738,11 +758,33 @@ class ChatWriter(ResponseWriter):
             "stop_reason": delta.stop_reason,
         }
 
-    def last_tool_delta(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
-        """The last chunk's delta when tool calls may be made: the content not sent yet, and
-        the calls (each with its index), with the finish reason."""
+    def pieces_so_far(self, choice: Choice, tool_call_parser: str | None) -> dict[str, Any]:
+        """The reasoning and content of an unfinished output not sent yet, less what may
+        begin the reasoning's end tag or a tool call."""
+        text, body = choice.text, {}
+        if self.reasoning_parser is not None:
+            split = split_reasoning(
+                self.reasoning_parser, text, finished=False, known=choice.reasoning_sent
+            )
+            text = text[split.content_start :] if split.content_start is not None else ""
+            if piece := (split.reasoning or "")[choice.reasoning_sent :]:
+                body = {"reasoning": piece, "reasoning_content": piece}
+                choice.reasoning_sent += len(piece)
+        end = len(text)
+        if tool_call_parser is not None:
+            end = max(choice.content_sent, content_end(tool_call_parser, text))
+        if piece := text[choice.content_sent : end]:
+            body["content"] = piece
+            choice.content_sent = end
+        return body
+
+    def last_delta(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """The last chunk's delta when the output is parsed whole: the reasoning and content
+        not sent yet, and the tool calls (each with its index), with the finish reason."""
         body, finish_reason = self.answer(choice)
         delta: dict[str, Any] = {}
+        if rest := (body.get("reasoning") or "")[choice.reasoning_sent :]:
+            delta.update(reasoning=rest, reasoning_content=rest)
         if rest := (body["content"] or "")[choice.content_sent :]:
             delta["content"] = rest
         if "tool_calls" in body:

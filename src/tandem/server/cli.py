@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.engine.cli import add_engine_arguments, engine_config_from_args
+from tandem.server.reasoning import REASONING_PARSERS
 from tandem.server.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -50,6 +51,13 @@ def add_parser(subparsers) -> None:
         help="the model's tool call format: hermes (Qwen2.5, Qwen3, Hermes, SmolLM2), "
         "llama3_json (Llama 3.1, 3.2), mistral (Mistral; keeps special tokens in the text), "
         "pythonic (Llama 3.2 and 4 pythonic templates, ToolACE)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split chat answers' reasoning off their content (message and delta field "
+        "`reasoning`, and `reasoning_content`): deepseek_r1 (DeepSeek-R1, QwQ), qwen3",
     )
     kv = parser.add_argument_group("KV transfer (PD)")
     kv.add_argument("--kv-transport", default=None, choices=["tcp", "cuda-ipc"])

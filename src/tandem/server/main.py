@@ -81,6 +81,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         kv_host=kv_config.host if kv_config else None,
         use_generation_config=args.generation_config == "auto",
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
     )
     started = {"ok": False}
 

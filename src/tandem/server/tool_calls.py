@@ -63,7 +63,7 @@ def content_end(parser: str, text: str) -> int:
     if parser in _MARKERS:
         marker = _MARKERS[parser]
         start = text.find(marker)
-        return start if start >= 0 else len(text) - _partial_suffix(text, marker)
+        return start if start >= 0 else len(text) - partial_suffix(text, marker)
     opening, tag = _WHOLE_OUTPUT_STARTS[parser]
     head = text.lstrip()
     if not head or head.startswith(opening) or tag.startswith(head[: len(tag)]):
@@ -177,7 +177,7 @@ def _calls_of(values: list[Any]) -> list[tuple[str, str]]:
     return calls
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (0 when none)."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-length:]):
