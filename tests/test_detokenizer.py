@@ -205,6 +205,30 @@ def test_output_processor_drops_the_text_of_a_stopping_token(tokenizer, prompt_i
         assert stopped == []
 
 
+def test_include_stop_str_in_output_keeps_the_stop_in_the_text(tokenizer, prompt_ids):
+    """With include_stop_str_in_output the text ends after the stop string, and nothing is held
+    back while streaming (all text before the stop's end is output); a stop token or EOS keeps
+    its text too."""
+    text, stop = "one two three four five six", "three four"
+    params = SamplingParams(stop=[stop], include_stop_str_in_output=True)
+    state = TextState(tokenizer, prompt_ids, params)
+    token_ids = encode(tokenizer, text)
+    sent_so_far = ""
+    for token_id in token_ids:
+        found = state.add_token(token_id)
+        sent_so_far += state.take_delta(finished=found is not None)
+        assert sent_so_far == state.text  # nothing held back
+        if found is not None:
+            break
+    assert found == stop and state.text == "one two three four"
+
+    token_ids = encode(tokenizer, "Bye!")
+    params = SamplingParams(stop_token_ids=[token_ids[-1]], include_stop_str_in_output=True)
+    processor = make_processor(tokenizer, prompt_ids, params)
+    deltas, _ = processor.process([EngineCoreOutput("req-0", token_ids, finish_reason="stop")])
+    assert (deltas[0].text, deltas[0].finish_reason) == ("Bye!", "stop")
+
+
 def test_output_processor_keeps_the_text_of_a_token_that_completes_a_grammar(tokenizer, prompt_ids):
     """A stop on any other token (a structured output's grammar completed by it) keeps it."""
     token_ids = encode(tokenizer, "Bye!")

@@ -239,19 +239,20 @@ def streamed(client: httpx.Client, url: str, body: dict) -> tuple[Completion, li
 
 
 @pytest.mark.parametrize(
-    "stop",
+    ("stop", "extra"),
     [
-        [" girl named"],  # begun by the first token, completed by the second
-        [" girl named Bob"],  # begun by the first token, never completed: held, then sent
-        [" named"],  # the second token
+        ([" girl named"], {}),  # begun by the first token, completed by the second
+        ([" girl named Bob"], {}),  # begun by the first token, never completed: held, then sent
+        ([" named"], {}),  # the second token
+        ([" girl named"], {"include_stop_str_in_output": True}),  # kept: nothing held
     ],
 )
-def test_stop_strings_and_logprobs_through_the_router(client, trio, routers, stop):
+def test_stop_strings_and_logprobs_through_the_router(client, trio, routers, stop, extra):
     """Streamed through the router (handoff, and the legs in sequence), with stop strings
     that the first token (" girl") begins: the `both` worker's text, tokens and finish, and
     each token's logprobs once (the router sends the first token's from the prefill answer)."""
     body = {"prompt": "Once upon a time, there was a little", "max_tokens": 6, "stop": stop}
-    body.update(temperature=0.0, logprobs=1, stream=True)
+    body.update(temperature=0.0, logprobs=1, stream=True, **extra)
     expected = streamed(client, trio["both"].url, body)
     assert expected[0].token_ids and expected[1]
     for name, router in routers.items():

@@ -99,10 +99,16 @@ def test_chat_and_text_prompts_match_the_both_worker(client, servers, stream: bo
         [" who"],
     ],
 )
-def test_stop_strings_match_the_both_worker(client, servers, stop: list[str], stream: bool):
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "included"])
+def test_stop_strings_match_the_both_worker(client, servers, stop: list[str], stream, include):
+    """Also with include_stop_str_in_output (the stop string stays in the text, nothing is
+    held back)."""
     body = {"prompt": STORY, "max_tokens": 6, "temperature": 0, "stop": stop, "stream": stream}
+    body["include_stop_str_in_output"] = include
     pd, both = both_ways(client, servers, COMPLETIONS, body)
     assert pd == both
+    completed = stop[0] in " girl named Emma who loved to"  # the output without stop strings
+    assert pd.text.endswith(stop[0]) == (include and completed)
     assert_nothing_held(servers["pd"])
 
 

@@ -324,6 +324,11 @@ async def test_request_fields_match_the_offline_engine(async_client, llm):
         "min_p": (FRUITS, {"temperature": 1.5, "min_p": 0.3, "seed": 3, "max_tokens": 10}, None),
         "default temperature": (FRUITS, {"seed": 4, "max_tokens": 8}, None),
         "stop": (FRUITS, {"temperature": 0, "stop": [" lemons"], "max_tokens": 12}, None),
+        "include_stop_str_in_output": (
+            FRUITS,
+            {"temperature": 0, "stop": [" lemons"], "include_stop_str_in_output": True},
+            None,
+        ),
         "stop_token_ids": (
             FRUITS,
             {"temperature": 0, "stop_token_ids": [stop_id], "max_tokens": 12},
@@ -423,6 +428,9 @@ async def test_request_fields_match_the_offline_engine(async_client, llm):
         return choice.finish_reason, choice.model_extra["stop_reason"], choice.model_extra
 
     assert only_choice("stop")[:2] == ("stop", " lemons")
+    kept = responses["include_stop_str_in_output"].choices[0]
+    assert kept.text == responses["stop"].choices[0].text + " lemons"
+    assert (kept.finish_reason, kept.model_extra["stop_reason"]) == ("stop", " lemons")
     assert only_choice("stop_token_ids")[:2] == ("stop", stop_id)
     assert only_choice("stop_token_ids")[2]["token_ids"] == tokens[: stop_position + 1]
     assert only_choice("token ids")[2]["token_ids"] == greedy.token_ids

@@ -7,8 +7,10 @@ character ever leaves. The window starts with the prompt's last tokens, so a tok
 drops a leading space at the start of a text (SentencePiece) still spaces the first output
 token right.
 
-Stop strings: the text is cut before the first stop string; while streaming, the last
-(longest stop string - 1) characters are held back because they may begin a stop string.
+Stop strings: the text is cut before the first stop string (after it, with
+`include_stop_str_in_output`); while streaming, the last (longest stop string - 1) characters
+are held back because they may begin a stop string (nothing is held back when the stop string
+stays in the text: all text before its end is output).
 """
 
 from __future__ import annotations
@@ -45,9 +47,15 @@ class IncrementalDetokenizer:
         return delta
 
 
-def stop_hold_back(stop: list[str]) -> int:
-    """How many characters an unfinished sequence keeps back: they may start a stop string."""
+def stop_reach(stop: list[str]) -> int:
+    """How many characters before a new token's text a stop string it completes may begin."""
     return max((len(s) for s in stop), default=1) - 1
+
+
+def stop_hold_back(params: SamplingParams) -> int:
+    """How many characters an unfinished sequence keeps back: they may start a stop string
+    that the output then leaves out."""
+    return 0 if params.include_stop_str_in_output else stop_reach(params.stop)
 
 
 class TextState:
@@ -58,7 +66,9 @@ class TextState:
             tokenizer, prompt_token_ids, params.skip_special_tokens
         )
         self.stop = params.stop
-        self.hold_back = stop_hold_back(params.stop)
+        self.include_stop = params.include_stop_str_in_output
+        self.reach = stop_reach(params.stop)
+        self.hold_back = stop_hold_back(params)
         self.text = ""
         self.num_sent = 0
 
@@ -68,7 +78,7 @@ class TextState:
         self.text += self.detokenizer.add(token_id)
         if not self.stop:
             return None
-        search_from = max(0, before - self.hold_back)
+        search_from = max(0, before - self.reach)
         found = None
         for stop in self.stop:
             index = self.text.find(stop, search_from)
@@ -76,7 +86,7 @@ class TextState:
                 found = (index, stop)
         if found is None:
             return None
-        self.text = self.text[: found[0]]
+        self.text = self.text[: found[0] + (len(found[1]) if self.include_stop else 0)]
         return found[1]
 
     def take_delta(self, finished: bool) -> str:

@@ -161,7 +161,9 @@ class SequenceState:
     index: int
     text: TextState
     wants_logprobs: bool
-    stop_ids: frozenset[int]  # EOS and stop token ids: a stop on one of them hides its text
+    # EOS and stop token ids: a stop on one of them hides its text (none with
+    # include_stop_str_in_output)
+    stop_ids: frozenset[int]
     token_ids: list[int] = field(default_factory=list)
 
 
@@ -177,7 +179,9 @@ class OutputProcessor:
             index,
             TextState(self.tokenizer, request.prompt_token_ids, params),
             params.logprobs is not None,
-            frozenset(request.eos_token_ids) | frozenset(params.stop_token_ids),
+            frozenset()
+            if params.include_stop_str_in_output
+            else frozenset(request.eos_token_ids) | frozenset(params.stop_token_ids),
         )
 
     def discard(self, child_id: str) -> None:

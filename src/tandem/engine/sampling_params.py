@@ -25,6 +25,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # the stop string, stop token or EOS that ends the output stays in its text (vLLM's)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per sampled token (0: only the sampled one)
     # top-n logprobs of every prompt token after the first (its whole prompt is computed then:

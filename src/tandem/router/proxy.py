@@ -190,8 +190,11 @@ def needs_one_worker(endpoint: str, body: dict[str, Any]) -> bool:
 
 def stop_hold_back(body: dict[str, Any]) -> int:
     """How many characters of an unfinished output a worker's stream keeps back, as they may
-    begin one of the request's stop strings (the longest one's length - 1)."""
+    begin one of the request's stop strings (the longest one's length - 1; none when the stop
+    string stays in the output)."""
     stop = body.get("stop") or []
+    if body.get("include_stop_str_in_output"):
+        return 0
     return max((len(s) for s in ([stop] if isinstance(stop, str) else stop)), default=1) - 1
 
 

@@ -185,7 +185,7 @@ class DisaggregatedClient:
                 return
             # What the decode engine's output processor sends for the same token, unfinished:
             # the text minus what may start a stop string.
-            shown = first.text[: max(0, len(first.text) - stop_hold_back(params.stop))]
+            shown = first.text[: max(0, len(first.text) - stop_hold_back(params))]
             yield dataclasses.replace(
                 first, text=shown, finish_reason=None, stop_reason=None, kv_transfer_params=None
             )
