@@ -273,6 +273,23 @@ def test_chat_endpoint_skips_role_chunk_and_sends_text(tmp_path: Path) -> None:
     assert all(isinstance(body["messages"][0]["content"], str) for body in behaviour.bodies)
 
 
+def test_reasoning_deltas_are_tokens_arriving() -> None:
+    """A reasoning model's reasoning deltas (`reasoning`, and the same text as the older
+    `reasoning_content`, or that alone) count as tokens arriving, as content does."""
+    from tandem.bench.client import RequestRecord, apply_event
+
+    record = RequestRecord(0)
+    events = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"reasoning": "Hmm", "reasoning_content": "Hmm"}}]},
+        {"choices": [{"delta": {"reasoning_content": "."}}]},
+        {"choices": [{"delta": {"reasoning": "\n", "reasoning_content": "\n", "content": "Hi"}}]},
+    ]
+    for arrived, event in enumerate(events):
+        apply_event(record, event, chat=True, arrived=float(arrived))
+    assert record.content_times == [1.0, 2.0, 3.0] and record.generated_text == "Hmm.\nHi"
+
+
 def test_failing_warm_up_stops_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with fake_server(FakeBehaviour()) as base_url:  # a base URL whose paths all answer 404
         flags = common_flags(base_url + "/missing", tmp_path, "--num-prompts", "2", "--model", "m")

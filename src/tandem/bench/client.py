@@ -5,8 +5,9 @@ Timing invariants:
   other timestamp is `time.perf_counter()` read the moment a chunk of bytes is handed over by the
   socket, before any parsing. An SSE event is stamped with the arrival time of the bytes that
   complete it.
-* Only content-bearing events (non-empty `text` / `delta.content`) count as tokens arriving; the
-  role-only first chat chunk and the usage chunk do not.
+* Only content-bearing events (non-empty `text` / `delta.content`, or a reasoning model's
+  `delta.reasoning` / `delta.reasoning_content`) count as tokens arriving; the role-only first
+  chat chunk and the usage chunk do not.
 * Output and prompt token counts come from the server's `usage` (requested with
   `stream_options.include_usage`), never from counting chunks.
 * Every request yields a record: HTTP errors, error events, a stream that ends without
@@ -132,7 +133,9 @@ def content_of(event: dict[str, Any], chat: bool) -> str:
     if not choices:
         return ""
     if chat:
-        return (choices[0].get("delta") or {}).get("content") or ""
+        delta = choices[0].get("delta") or {}
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""  # one text
+        return reasoning + (delta.get("content") or "")
     return choices[0].get("text") or ""
 
 
