@@ -19,6 +19,7 @@ import openai
 import pytest
 import uvicorn
 
+import tandem
 from tandem.router.app import create_app
 from tandem.router.config import RouterConfig
 from tandem.router.fake_worker import FakeControl, FakeStats, create_fake_worker
@@ -324,6 +325,7 @@ def test_router_errors_use_the_openai_shape_and_api_key(make_cluster):
     assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
     assert HTTP.get(cluster.url + "/v1/models").status_code == 401
     assert HTTP.get(cluster.url + "/health").status_code == 200
+    assert HTTP.get(cluster.url + "/version").json() == {"version": tandem.__version__}
 
     headers = {"Authorization": "Bearer sesame"}
     answer = HTTP.post(cluster.url + "/v1/completions", json=body, headers=headers)

@@ -22,6 +22,7 @@ import openai
 import pytest
 import torch
 
+import tandem
 from tandem import DEFAULT_MODEL, LLM, SamplingParams
 from tandem.engine.structured_output import StructuredOutput
 from worker_fixtures import read_metrics, running_worker, wait_for_metric
@@ -139,6 +140,7 @@ def test_models_health_and_metric_families(worker, client):
     assert [model.id for model in client.models.list().data] == [MODEL]
     health = httpx.get(f"{worker.url}/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert httpx.get(f"{worker.url}/version", timeout=10).json() == {"version": tandem.__version__}
 
     text = httpx.get(f"{worker.url}/metrics", timeout=10).text
     for name, kind in [

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import tandem
 from tandem.router.config import Role, RouterConfig
 from tandem.router.metrics import RouterMetrics
 from tandem.router.proxy import Proxy
@@ -180,6 +181,10 @@ def create_app(config: RouterConfig) -> FastAPI:
         can_serve = counts["decode"] > 0 or counts["both"] > 0
         status = "ok" if can_serve else "no decode or both worker is healthy"
         return JSONResponse({"status": status, "workers": counts}, 200 if can_serve else 503)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": tandem.__version__})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

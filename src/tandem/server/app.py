@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+import tandem
 from tandem.engine.processor import SequenceDelta
 from tandem.server.engine_client import AsyncEngineClient, QueueFullError
 from tandem.server.metrics import WorkerMetrics
@@ -103,6 +104,10 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         if client.healthy:
             return JSONResponse({"status": "ok", "role": settings.role, "kv": kv_endpoint()})
         return _error("the engine is not running", 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tandem.__version__}
 
     def kv_endpoint() -> dict[str, Any] | None:
         """What a router needs to hand a decode leg off before the prefill answers: the
