@@ -15,6 +15,7 @@ request asks for `return_token_ids`, so token identity is checked on ids, not on
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -40,22 +41,34 @@ REMOTE_DECODE_PARAMS = {
 }
 
 
-@contextlib.contextmanager
 def running_workers(
     log_dir: Path, specs: dict[str, tuple[str, ...]], model: str
-) -> Iterator[dict[str, WorkerProcess]]:
+) -> contextlib.AbstractContextManager[dict[str, WorkerProcess]]:
     """Start one worker per name (flags after `--model model`) all at once, wait until every one
     is healthy, and always stop them all afterwards."""
-    workers: dict[str, WorkerProcess] = {}
+    starts = {
+        name: functools.partial(start_worker, log_dir, *flags, model=model)
+        for name, flags in specs.items()
+    }
+    return running_processes(starts)
+
+
+@contextlib.contextmanager
+def running_processes(
+    starts: dict[str, Callable[[], WorkerProcess]],
+) -> Iterator[dict[str, WorkerProcess]]:
+    """Start one process per name (workers or routers) all at once, wait until every one is
+    healthy, and always stop those started afterwards."""
+    started: dict[str, WorkerProcess] = {}
     try:
-        for name, flags in specs.items():
-            workers[name] = start_worker(log_dir, *flags, model=model)
-        for worker in workers.values():
-            worker.wait_healthy()
-        yield workers
+        for name, start in starts.items():
+            started[name] = start()
+        for process in started.values():
+            process.wait_healthy()
+        yield started
     finally:
-        for worker in workers.values():
-            worker.stop()
+        for process in started.values():
+            process.stop()
 
 
 def metric(worker: WorkerProcess | str, name: str) -> float:

@@ -9,6 +9,7 @@ and seeded sampling, collected and streamed, on /v1/completions (token-id and te
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -30,6 +31,7 @@ from pd_fixtures import (
     run_direct,
     run_pd,
     run_pd_and_direct,
+    running_processes,
     running_workers,
     wait_for_value,
     wait_until,
@@ -214,19 +216,18 @@ def test_stop_string_on_the_first_token_ends_at_prefill(client, trio):
 def routers(trio, tmp_path_factory) -> Iterator[dict]:
     """tandem routers over the trio's prefill and decode workers: the handoff flow, and the
     legs in sequence."""
-    log_dir = tmp_path_factory.mktemp("routers")
-    pair = ("--prefill", trio["prefill"].url, "--decode", trio["decode"].url)
-    started = {
-        "handoff": start_tandem(log_dir, "router", *pair),
-        "in sequence": start_tandem(log_dir, "router", *pair, "--no-handoff"),
-    }
-    try:
-        for router in started.values():
-            router.wait_healthy()
-        yield started
-    finally:
-        for router in started.values():
-            router.stop()
+    start = functools.partial(
+        start_tandem,
+        tmp_path_factory.mktemp("routers"),
+        "router",
+        "--prefill",
+        trio["prefill"].url,
+        "--decode",
+        trio["decode"].url,
+    )
+    starts = {"handoff": start, "in sequence": functools.partial(start, "--no-handoff")}
+    with running_processes(starts) as routers:
+        yield routers
 
 
 def streamed(client: httpx.Client, url: str, body: dict) -> tuple[Completion, list[str]]:

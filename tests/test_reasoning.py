@@ -12,8 +12,7 @@ from tandem.server.reasoning import split_reasoning
 def parts(parser: str, text: str, finished: bool = True) -> tuple[str | None, str | None]:
     """(reasoning, content) of an output; content None while its start is not known."""
     split = split_reasoning(parser, text, finished)
-    content = text[split.content_start :] if split.content_start is not None else None
-    return split.reasoning, content
+    return split.reasoning, split.content(text)
 
 
 CASES = [

@@ -689,7 +689,7 @@ class ChatWriter(ResponseWriter):
         text, body = choice.text, {}
         if self.reasoning_parser is not None:
             split = split_reasoning(self.reasoning_parser, text, finished=True)
-            text = text[split.content_start :] if split.content_start is not None else ""
+            text = split.content(text) or ""
             if split.reasoning is not None:
                 body = {"reasoning": split.reasoning, "reasoning_content": split.reasoning}
         content: str | None = (text or None) if body else text  # null beside reasoning
@@ -771,7 +771,7 @@ class ChatWriter(ResponseWriter):
             split = split_reasoning(
                 self.reasoning_parser, text, finished=False, known=choice.reasoning_sent
             )
-            text = text[split.content_start :] if split.content_start is not None else ""
+            text = split.content(text) or ""
             if piece := (split.reasoning or "")[choice.reasoning_sent :]:
                 body = {"reasoning": piece, "reasoning_content": piece}
                 choice.reasoning_sent += len(piece)

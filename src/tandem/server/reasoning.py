@@ -25,6 +25,10 @@ class ReasoningSplit:
     reasoning: str | None  # None: the output has no reasoning part
     content_start: int | None  # where the content begins in the text; None: not (yet)
 
+    def content(self, text: str) -> str | None:
+        """The content of `text` (the output split); None while its start is not known."""
+        return text[self.content_start :] if self.content_start is not None else None
+
 
 def split_reasoning(parser: str, text: str, finished: bool, known: int = 0) -> ReasoningSplit:
     """The reasoning of an output (so far, when not finished) and where its content begins.
