@@ -43,6 +43,7 @@ class FakeBehaviour:
     gap_s: float = GAP_S
     fault_every: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    authorizations: list[str | None] = field(default_factory=list)  # of every request
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -56,6 +57,11 @@ def make_app(behaviour: FakeBehaviour) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.middleware("http")
+    async def record_authorization(request: Request, call_next: Any) -> Any:
+        behaviour.authorizations.append(request.headers.get("authorization"))
+        return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -271,6 +277,19 @@ def test_chat_endpoint_skips_role_chunk_and_sends_text(tmp_path: Path) -> None:
     # The role-only chunk arrives at once; TTFT waits for the first content.
     assert all(entry["ttft_ms"] >= 100.0 for entry in point["requests"])
     assert all(isinstance(body["messages"][0]["content"], str) for body in behaviour.bodies)
+
+
+def test_the_api_key_goes_with_every_request(tmp_path: Path, monkeypatch) -> None:
+    """From --api-key, or TANDEM_API_KEY without it: the model lookup, the warm-up and the
+    measured requests all carry it."""
+    for flag, environment in ((("--api-key", "sesame"), None), ((), "sesame")):
+        if environment is not None:
+            monkeypatch.setenv("TANDEM_API_KEY", environment)
+        behaviour = FakeBehaviour(first_delay_s=0.0, gap_s=0.0)
+        with fake_server(behaviour) as base_url:
+            flags = common_flags(base_url, tmp_path, "--num-prompts", "2", *flag)
+            assert run_cli(*flags, "--random-input-len", "4", "--random-output-len", "2") == 0
+        assert behaviour.authorizations == ["Bearer sesame"] * 4  # models, warm-up, 2 prompts
 
 
 def test_reasoning_deltas_are_tokens_arriving() -> None:

@@ -16,6 +16,7 @@ from tandem.launcher.cluster import (
     parse_cluster,
 )
 from tandem.launcher.supervisor import Supervisor, plan_processes
+from tandem.server.cli import add_parser as add_worker_parser
 from tandem.server.reasoning import REASONING_PARSERS
 from tandem.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -75,6 +76,28 @@ def test_the_reasoning_parser_reaches_every_worker(reasoning_parser):
         flag = plan.argv.index("--reasoning-parser")
         assert plan.argv[flag + 1] == reasoning_parser, plan.name
     assert run(serve_args("--reasoning-parser", "nope")) == 2
+
+
+def test_the_chat_template_reaches_every_worker(tmp_path):
+    """From the flag (a Jinja string) and from a cluster file (a file's path), as the worker's
+    own --chat-template, which the worker's parser takes."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    spec = parse_cluster(
+        merge_overrides(DEFAULT_CLUSTER, cluster_overrides(serve_args("--chat-template", template)))
+    )
+    template_file = tmp_path / "template.jinja"
+    file_engine = {"chat_template": str(template_file)}
+    file_spec = parse_cluster({"roles": {"pd": {"count": 1, "engine": file_engine}}})
+    planned = [
+        *((plan, template) for plan in plan_processes(spec, "cpu", num_gpus=0)[:-1]),
+        *((plan, str(template_file)) for plan in plan_processes(file_spec, "cpu", num_gpus=0)[:-1]),
+    ]
+    assert [plan.name for plan, _ in planned] == ["prefill-0", "decode-0", "pd-0"]
+    worker_parser = argparse.ArgumentParser()
+    add_worker_parser(worker_parser.add_subparsers())
+    for plan, expected in planned:
+        command = plan.argv[plan.argv.index("worker") :]
+        assert worker_parser.parse_args(command).chat_template == expected, plan.name
 
 
 @pytest.mark.parametrize("tool_call_parser", TOOL_CALL_PARSERS)  # each one the workers know

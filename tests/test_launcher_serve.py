@@ -39,9 +39,12 @@ def add_parser(subparsers):
 
 
 def run(args):
+    from tandem.api_keys import api_key_from_env
     from tandem.router.fake_worker import serve_fake_worker
 
-    return serve_fake_worker(args.role, args.model, args.host, int(args.port))
+    return serve_fake_worker(
+        args.role, args.model, args.host, int(args.port), api_key=api_key_from_env()
+    )
 '''
 
 
@@ -184,6 +187,27 @@ def test_ctrl_c_stops_every_process(launch):
     launcher.process.send_signal(signal.SIGINT)
     assert launcher.process.wait(timeout=15) == 0
     wait_until_gone(children, timeout=5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_api_key_guards_the_router_and_every_worker(launch):
+    """`tandem serve --api-key`: the router and both workers want the key, given to them in
+    their environment (no child's command line holds it); the router sends it on, so a request
+    with the key passes through both legs."""
+    launcher = launch("--api-key", "sesame")
+    launcher.wait_for_line("ready at")
+    url = f"http://127.0.0.1:{launcher.port}/v1/completions"
+    body = {"model": "smollm2-135m-instruct", "prompt": "hello world", "max_tokens": 3}
+    assert httpx.post(url, json=body).status_code == 401
+    answer = httpx.post(url, json=body, headers={"Authorization": "Bearer sesame"}).json()
+    assert answer["choices"][0]["text"] == " hello world hello"
+    for port in (launcher.worker_port, launcher.worker_port + 1):
+        worker_url = f"http://127.0.0.1:{port}"
+        assert httpx.get(worker_url + "/v1/models").status_code == 401
+        assert httpx.get(worker_url + "/health").status_code == 200
+    children = launcher.children()
+    assert len(children) == 3
+    assert not [pid for pid in children if b"sesame" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

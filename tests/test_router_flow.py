@@ -98,9 +98,9 @@ class Cluster:
         return self.router.app.state.pool
 
 
-def start_fake(role: str) -> Fake:
+def start_fake(role: str, api_key: str | None = None) -> Fake:
     control = FakeControl()
-    app = create_fake_worker(role, MODEL, control)
+    app = create_fake_worker(role, MODEL, control, api_key)
     return Fake(ThreadServer(app).start(), control, app.state.stats)
 
 
@@ -108,9 +108,15 @@ def start_fake(role: str) -> Fake:
 def make_cluster() -> Iterator[Callable[..., Cluster]]:
     servers: list[ThreadServer] = []
 
-    def make(prefill: int = 1, decode: int = 1, both: int = 0, **settings: Any) -> Cluster:
+    def make(
+        prefill: int = 1,
+        decode: int = 1,
+        both: int = 0,
+        worker_api_key: str | None = None,
+        **settings: Any,
+    ) -> Cluster:
         fakes = {
-            role: [start_fake(role) for _ in range(n)]
+            role: [start_fake(role, worker_api_key) for _ in range(n)]
             for role, n in (("prefill", prefill), ("decode", decode), ("both", both))
         }
         for group in fakes.values():
@@ -342,6 +348,35 @@ def test_router_errors_use_the_openai_shape_and_api_key(make_cluster):
     wrong_method = HTTP.get(cluster.url + "/v1/chat/completions", headers=headers)
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
     assert set(wrong_method.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_router_sends_its_api_key_to_workers_that_want_it(make_cluster):
+    """Workers that want the key the router has: the health check learns their model (from
+    /v1/models), both legs of a PD request pass, streamed or not, a one-token request's lease
+    is released. A router without the key passes the workers' 401 on to the client."""
+    cluster = make_cluster(api_key="sesame", worker_api_key="sesame")
+    headers = {"Authorization": "Bearer sesame"}
+    wait_for(lambda: all(worker.model == MODEL for worker in cluster.pool.workers()))
+    body = {"model": MODEL, "prompt": "a b", "max_tokens": 3}
+    answer = HTTP.post(cluster.url + "/v1/completions", json=body, headers=headers)
+    assert answer.json()["choices"][0]["text"] == " a b a"
+    with HTTP.stream(
+        "POST", cluster.url + "/v1/completions", json={**body, "stream": True}, headers=headers
+    ) as response:
+        assert completion_text(sse_payloads(response)) == " a b a"
+    assert cluster.decode[0].kinds() == ["decode", "decode"]
+    one_token = HTTP.post(
+        cluster.url + "/v1/completions", json={**body, "max_tokens": 1}, headers=headers
+    )
+    assert one_token.json()["choices"][0]["text"] == " a"
+    prefill = cluster.prefill[0].stats
+    wait_for(lambda: len(prefill.released) == 1)
+    assert prefill.released == prefill.leased[-1:]  # the first two went to the decode worker
+
+    keyless = make_cluster(worker_api_key="sesame")
+    refused = HTTP.post(keyless.url + "/v1/completions", json=body)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_a_refusing_or_dead_prefill_worker_is_retried_on_another(make_cluster):

@@ -15,16 +15,20 @@ import asyncio
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import openai
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 import tandem
 from tandem import DEFAULT_MODEL, LLM, SamplingParams
 from tandem.engine.structured_output import StructuredOutput
+from tandem.server.app import ServerSettings, build_app
+from tandem.server.main import read_chat_template
 from worker_fixtures import read_metrics, running_worker, wait_for_metric
 
 MODEL = DEFAULT_MODEL
@@ -213,6 +217,7 @@ def test_chat_can_continue_the_assistants_last_message(worker, client, llm):
         ("/tokenize", {}, 400, None),
         ("/tokenize", {"prompt": "hi", "model": "gpt-5"}, 404, "model"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+        ("/tokenize", {"messages": FRANCE, "chat_template": "{{ x }}"}, 400, "chat_template"),
         ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": "hello"}, 400, "tokens"),
         ("/detokenize", {"tokens": [1], "model": "gpt-5"}, 404, "model"),
@@ -610,6 +615,74 @@ def test_mistral_tool_call_parser_keeps_special_tokens(tmp_path, llm):
             assert not answer.choices[0].message.tool_calls
 
 
+def test_api_key_from_the_environment_and_chat_templates(tmp_path, llm, monkeypatch):
+    """A worker with TANDEM_API_KEY in its environment, a --chat-template file and
+    --trust-request-chat-template. Every endpoint but /health, /version and /metrics wants the
+    key: without it or with a wrong one, OpenAI's 401. Messages are rendered with the file's
+    template, or with a request's own: /tokenize gives the tokenizer's tokens of the text each
+    template makes (written here by hand), and the chat answer is the offline engine's greedy
+    completion of those tokens."""
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    own_template = "<<{{ messages[-1].content }}>> Answer:"
+    rendered = {
+        None: "[user] What is the capital of France?\n[assistant] ",
+        own_template: "<<What is the capital of France?>> Answer:",
+    }
+    monkeypatch.setenv("TANDEM_API_KEY", "sesame")
+    flags = ("--chat-template", str(template_file), "--trust-request-chat-template")
+    with running_worker(tmp_path, *flags) as worker:
+        for path in ("/v1/models", "/tokenize"):
+            for headers in ({}, {"Authorization": "Bearer open-sesame"}):
+                refused = httpx.post(worker.url + path, json={"prompt": "hi"}, headers=headers)
+                if path == "/v1/models":
+                    refused = httpx.get(worker.url + path, headers=headers)
+                assert refused.status_code == 401, refused.text
+                assert refused.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/health", "/version", "/metrics"):
+            assert httpx.get(worker.url + path).status_code == 200
+
+        client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="sesame", max_retries=0)
+        assert [model.id for model in client.models.list()] == [MODEL]
+        for template, text in rendered.items():
+            expected = llm.tokenizer(text, add_special_tokens=False).input_ids
+            extra = {} if template is None else {"chat_template": template}
+            tokenized = httpx.post(
+                worker.url + "/tokenize",
+                json={"messages": FRANCE, **extra},
+                headers={"Authorization": "Bearer sesame"},
+            )
+            assert tokenized.json()["tokens"] == expected
+            answer = client.chat.completions.create(
+                model=MODEL, messages=FRANCE, temperature=0, max_tokens=6, extra_body=extra
+            )
+            assert answer.usage.prompt_tokens == len(expected)
+            (reference,) = offline(llm, expected, temperature=0, max_tokens=6)
+            assert answer.choices[0].message.content == reference.text
+
+
+def test_a_model_without_a_chat_template_is_told_what_to_do(tmp_path):
+    """Messages for a model whose tokenizer has no chat template get a 400 that names the flag
+    (the app over a stand-in engine client: the check comes before any engine work), and
+    --chat-template reads a file, takes a Jinja string as it is, and refuses anything else."""
+    stand_in = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
+    app = TestClient(build_app(stand_in, ServerSettings(served_model_name=MODEL)))
+    for path in ("/tokenize", "/v1/chat/completions"):
+        answer = app.post(path, json={"messages": FRANCE})
+        assert answer.status_code == 400
+        assert "--chat-template" in answer.json()["error"]["message"]
+
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text("{{ messages[0].content }}")
+    assert read_chat_template(str(template_file)) == "{{ messages[0].content }}"
+    assert read_chat_template("{% for m in messages %}{% endfor %}").startswith("{% for")
+    with pytest.raises(SystemExit, match="no file of that name"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+
+
 def test_reasoning_parser_splits_reasoning_off_the_content(tmp_path, llm):
     """A worker with --reasoning-parser deepseek_r1, on an output that holds `</think>`: the
     offline engine's text, split at the tag by hand, as the message's reasoning (also as
@@ -940,6 +1013,20 @@ BAD_REQUESTS = [
         {"messages": HI, "chat_template_kwargs": {"tokenize": 1}},
         400,
         None,
+    ),
+    (
+        "request-chat-template-untrusted",
+        CHAT,
+        {"messages": HI, "chat_template": "{{ messages[0].content }}"},
+        400,
+        "chat_template",
+    ),
+    (
+        "template-kwargs-chat-template-untrusted",
+        CHAT,
+        {"messages": HI, "chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}},
+        400,
+        "chat_template",
     ),
     (
         "pd-without-transport",

@@ -7,6 +7,7 @@ inside the sub-commands' functions. Flag names follow `vllm bench serve` where i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -71,6 +72,12 @@ def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=0.0)
     group.add_argument("--extra-body", help="JSON object merged into every request body")
     group.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, which tandem's "
+        "servers read too)",
+    )
 
 
 def add_result_arguments(parser: argparse.ArgumentParser) -> None:

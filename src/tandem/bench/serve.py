@@ -137,6 +137,7 @@ class ServeOptions:
     percentiles: tuple[float, ...] = (90.0, 99.0)
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)
     request_timeout_s: float = 3600.0
+    api_key: str | None = None
     result_dir: Path | None = None
     result_filename: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
@@ -305,7 +306,10 @@ async def run_sweep(
         raise BenchError(str(exc)) from exc
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=options.request_timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    headers = {"authorization": f"Bearer {options.api_key}"} if options.api_key else None
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=headers
+    ) as session:
         model = options.model or await resolve_model(session, options.base_url)
         settings = RequestSettings(
             api_url=f"{options.base_url}{options.endpoint}",
@@ -395,6 +399,7 @@ def options_from_args(
         percentiles=percentiles,
         goodput_slos_ms=goodput,
         request_timeout_s=args.request_timeout,
+        api_key=args.api_key,
         result_dir=result_dir,
         result_filename=result_filename,
         metadata=metadata,

@@ -9,6 +9,7 @@ the standard library at import time.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -62,6 +63,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="workers split reasoning off chat answers: deepseek_r1 or qwen3 "
         "(see tandem worker --help)",
     )
+    parser.add_argument(
+        "--chat-template",
+        metavar="TEMPLATE",
+        help="workers render chat messages with this Jinja template (or the file holding one) "
+        "instead of the model's",
+    )
+    parser.add_argument(
+        "--api-key",
+        help="the router and every worker require 'Authorization: Bearer KEY' on all but "
+        "/health, /version and /metrics (given to them in the environment variable "
+        "TANDEM_API_KEY, which they also read when this flag is left out)",
+    )
     parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="the router's port (default 8000)")
     parser.add_argument(
@@ -102,6 +115,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "roles.pd.engine.kv_transport": args.kv_transport,
         **{f"roles.{role}.engine.tool_call_parser": parser for role in WORKER_ROLES},
         **{f"roles.{role}.engine.reasoning_parser": args.reasoning_parser for role in WORKER_ROLES},
+        **{f"roles.{role}.engine.chat_template": args.chat_template for role in WORKER_ROLES},
         "router.host": args.host,
         "ports.router": args.port,
         "ports.workers": args.worker_port_base,
@@ -129,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
     except (ClusterError, RuntimeError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
+    if args.api_key:
+        from tandem.api_keys import API_KEY_ENV
+
+        os.environ[API_KEY_ENV] = args.api_key  # the children's, kept off their command lines
     plans = plan_processes(spec, device, num_gpus)
     roles = spec.roles
     print(

@@ -57,6 +57,7 @@ class EngineSettings(_Strict):
     # tool_choice "auto" answered with calls found in this format (--enable-auto-tool-choice)
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None  # chat reasoning split off
+    chat_template: str | None = None  # a Jinja template, or a file holding one
     extra_args: tuple[str, ...] = ()
 
     def worker_flags(self) -> list[str]:

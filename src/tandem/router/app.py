@@ -4,10 +4,10 @@ The two proxied endpoints (`/v1/completions`, `/v1/chat/completions`) are served
 layer in front of FastAPI (`ProxiedRoutes`); the rest are FastAPI routes. `/tokenize` and
 `/detokenize` go to any worker (all serve the same model).
 
-Public endpoints (`/v1/...`, `/tokenize`, `/detokenize`, `/internal/workers` listing) need
-`Authorization: Bearer <api key>` when the router has one; `/health` and `/metrics` stay open for
-probes and scrapers. The registration endpoints need the cluster token, and are refused outright
-when the router has none.
+With an API key (`tandem.api_keys`), every endpoint needs `Authorization: Bearer <key>` but
+`/health`, `/version` and `/metrics` (for probes and scrapers) and the registration endpoints,
+which need the cluster token instead and are refused outright when the router has none. The
+router sends its key to the workers too (they share it).
 The router runs one health round before it serves, so static workers that are up are in the pool
 from the first request on; a registering worker joins once its own health check passes.
 """
@@ -15,7 +15,6 @@ from the first request on; a registering worker joins once its own health check 
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,10 +23,10 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tandem
+from tandem.api_keys import OPEN_PATHS, bearer_matches, guard
 from tandem.router.config import Role, RouterConfig
 from tandem.router.metrics import RouterMetrics
 from tandem.router.proxy import Proxy
@@ -35,6 +34,9 @@ from tandem.router.relay import RelayResponse, error_body
 from tandem.router.workers import WorkerPool
 
 PROXIED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+REGISTRATION_PATHS = frozenset(
+    {"/internal/workers/register", "/internal/workers/heartbeat", "/internal/workers/deregister"}
+)
 
 
 class WorkerAnnouncement(BaseModel):
@@ -48,19 +50,6 @@ class WorkerAnnouncement(BaseModel):
 
 def error_response(status: int, message: str, code: str, error_type: str) -> Response:
     return Response(error_body(message, error_type, code), status, media_type="application/json")
-
-
-def _bearer_matches(headers: Headers, secret: str) -> bool:
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), secret)
-
-
-def refuse_without_api_key(headers: Headers, api_key: str | None) -> Response | None:
-    """The 401 for a public endpoint called without the router's API key (None: it has none)."""
-    if api_key is None or _bearer_matches(headers, api_key):
-        return None
-    message = "a valid API key is required: send it as 'Authorization: Bearer <key>'"
-    return error_response(401, message, "invalid_api_key", "invalid_request_error")
 
 
 def parse_request_body(raw: bytes) -> dict[str, Any] | Response:
@@ -87,10 +76,9 @@ class ProxiedRoutes:
     of the time the router added on loopback, so these two endpoints skip them.
     """
 
-    def __init__(self, app: ASGIApp, proxy: Proxy, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, proxy: Proxy) -> None:
         self.app = app
         self.proxy = proxy
-        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = PROXIED_PATHS.get(scope["path"]) if scope["type"] == "http" else None
@@ -108,9 +96,6 @@ class ProxiedRoutes:
             response = error_response(405, message, "method_not_allowed", "invalid_request_error")
             response.headers["allow"] = "POST"
             return response
-        refusal = refuse_without_api_key(Headers(scope=scope), self.api_key)
-        if refusal is not None:
-            return refusal
         chunks = []
         while True:
             message = await receive()
@@ -147,31 +132,26 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.pool = pool
     app.state.proxy = proxy
     app.state.metrics = metrics
-    app.add_middleware(ProxiedRoutes, proxy=proxy, api_key=config.api_key)
+    app.add_middleware(ProxiedRoutes, proxy=proxy)
+    guard(app, config.api_key, OPEN_PATHS | REGISTRATION_PATHS)
 
     def refuse_without_cluster_token(request: Request) -> Response | None:
         if config.cluster_token is None:
             message = "worker registration is off: start the router with --cluster-token"
             return error_response(403, message, "registration_disabled", "permission_error")
-        if not _bearer_matches(request.headers, config.cluster_token):
+        if not bearer_matches(request.headers, config.cluster_token):
             message = "the cluster token is missing or wrong"
             return error_response(401, message, "invalid_cluster_token", "invalid_request_error")
         return None
 
     @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        refusal = refuse_without_api_key(request.headers, config.api_key)
-        if refusal is not None:
-            return refusal
+    async def models() -> Response:
         data = [{"id": name, "object": "model", "owned_by": "tandem"} for name in pool.models()]
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/tokenize")
     @app.post("/detokenize")
     async def tokenizer_endpoints(request: Request) -> Response:
-        refusal = refuse_without_api_key(request.headers, config.api_key)
-        if refusal is not None:
-            return refusal
         status, media_type, data = await proxy.forward(request.url.path, await request.body())
         return Response(data, status, media_type=media_type)
 
@@ -191,10 +171,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/internal/workers")
-    async def list_workers(request: Request) -> Response:
-        refusal = refuse_without_api_key(request.headers, config.api_key)
-        if refusal is not None:
-            return refusal
+    async def list_workers() -> Response:
         return JSONResponse({"workers": [worker.describe() for worker in pool.workers()]})
 
     async def announcement(request: Request) -> WorkerAnnouncement | Response:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from tandem.api_keys import API_KEY_HELP, api_key_from_env
 from tandem.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 
 DEFAULTS = RouterConfig()
@@ -63,7 +64,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "take handoffs",
     )
     security = parser.add_argument_group("security")
-    security.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    security.add_argument(
+        "--api-key",
+        default=api_key_from_env(),
+        help=API_KEY_HELP + "; sent to the workers too, which share it",
+    )
     security.add_argument(
         "--cluster-token",
         default=os.environ.get("TANDEM_CLUSTER_TOKEN"),

@@ -18,7 +18,8 @@ stream_options, n 1; min_tokens at most 1, as vllm-router sends it); a decode le
 kv_transfer_params must match its prompt.
 
 Test hooks: `GET /fake/stats` (the requests seen, leases released, streams aborted), `POST
-/fake/control` (health status, refusal status, delays, exit).
+/fake/control` (health status, refusal status, delays, exit). With an API key it wants the key
+as a tandem worker does (the test hooks stay open).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tandem.api_keys import OPEN_PATHS, api_key_from_env, guard
 
 EOS_WORD = "STOP"
 DEFAULT_MAX_TOKENS = 16
@@ -89,10 +92,13 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": error}, status)
 
 
-def create_fake_worker(role: str, model: str, control: FakeControl | None = None) -> FastAPI:
+def create_fake_worker(
+    role: str, model: str, control: FakeControl | None = None, api_key: str | None = None
+) -> FastAPI:
     control = control or FakeControl()
     stats = FakeStats()
     app = FastAPI()
+    guard(app, api_key, OPEN_PATHS | {"/fake/stats", "/fake/control"})
     app.state.control = control
     app.state.stats = stats
 
@@ -321,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-delay", type=float, default=0.0)
     parser.add_argument("--router", help="register with this router and send heartbeats")
     parser.add_argument("--cluster-token", default=os.environ.get("TANDEM_CLUSTER_TOKEN"))
+    parser.add_argument("--api-key", default=api_key_from_env())
     args = parser.parse_args(argv)
     return serve_fake_worker(
         args.role,
@@ -330,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         FakeControl(token_delay_s=args.token_delay, prefill_delay_s=args.prefill_delay),
         router_url=args.router,
         cluster_token=args.cluster_token,
+        api_key=args.api_key,
     )
 
 
@@ -341,13 +349,14 @@ def serve_fake_worker(
     control: FakeControl | None = None,
     router_url: str | None = None,
     cluster_token: str | None = None,
+    api_key: str | None = None,
 ) -> int:
     """Runs a fake worker until SIGINT/SIGTERM; with `router_url`, registers once listening."""
     import uvicorn
 
     from tandem.router.registration import HeartbeatSender
 
-    app = create_fake_worker(role, model, control)
+    app = create_fake_worker(role, model, control, api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     if router_url is None:
         server.run()

@@ -234,7 +234,10 @@ class Proxy:
         # Idle upstream connections are dropped before a worker's keep-alive timeout (uvicorn:
         # 5 s) can close them under a request.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        headers = {"authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, headers=headers
+        )
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -404,7 +407,12 @@ class Proxy:
                     json={"remote_request_id": request_id},
                     timeout=RELEASE_TIMEOUT,
                 ) as response:
-                    await response.read()
+                    answer = await response.read()
+                    if response.status != 200:  # the lease lasts until its timeout
+                        logger.warning(
+                            "releasing %s on %s was refused (%d): %s",
+                            request_id, worker.url, response.status, answer[:200],
+                        )  # fmt: skip
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 logger.warning("releasing %s on %s failed: %r", request_id, worker.url, exc)
 

@@ -227,6 +227,12 @@ class WorkerPool:
                     if response.status == 200:
                         data = (await response.json()).get("data") or []
                         worker.model = data[0]["id"] if data else None
+                    elif response.status == 401:
+                        logger.warning(
+                            "worker %s wants an API key the router does not send: give the "
+                            "router the workers' key (--api-key)",
+                            worker.url,
+                        )
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
             ok = False
         self._record_check(worker, ok)

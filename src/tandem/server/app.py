@@ -2,7 +2,8 @@
 extensions (kv_transfer_params in and out, `POST /v1/kv/release`).
 
 Every error a client can cause is an OpenAI-style error object with a 4xx status; a 5xx means a
-bug. A client that disconnects aborts its request in the engine at once.
+bug. A client that disconnects aborts its request in the engine at once. With an API key, every
+endpoint but /health, /version and /metrics needs it (`tandem.api_keys`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tandem
+from tandem.api_keys import guard
 from tandem.engine.processor import SequenceDelta
 from tandem.server.engine_client import AsyncEngineClient, QueueFullError
 from tandem.server.metrics import WorkerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ChatTemplateFields,
     CompletionRequest,
     DetokenizeRequest,
     KVReleaseRequest,
@@ -57,6 +60,9 @@ class ServerSettings:
     use_generation_config: bool = True
     tool_call_parser: str | None = None  # tool_choice "auto" answered with calls in this format
     reasoning_parser: str | None = None  # chat answers' reasoning split off in this format
+    chat_template: str | None = None  # used instead of the model's
+    trust_request_chat_template: bool = False  # a request may bring its own template
+    api_key: str | None = None  # wanted as a bearer token on all but the open endpoints
 
 
 @dataclass
@@ -81,6 +87,7 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
 
 def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tandem worker", docs_url=None, redoc_url=None)
+    guard(app, settings.api_key)
     metrics = WorkerMetrics(settings.served_model_name)
     client.stats_listener = metrics.update_from_stats
     app.state.client = client
@@ -158,8 +165,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ClientError("send either prompt or messages")
         if body.messages is not None:
-            options = body.template_options()
-            token_ids = tokenize_messages(body.messages, options, bool(body.add_special_tokens))
+            token_ids = tokenize_messages(body.messages, body, bool(body.add_special_tokens))
         else:
             token_ids = tokenize(body.prompt, body.add_special_tokens is not False)
         token_strs = None
@@ -233,12 +239,35 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         except ValueError as exc:
             raise ClientError(str(exc), param="prompt") from exc
 
+    def template_options(body: ChatTemplateFields) -> dict[str, Any]:
+        """The chat template's arguments, the template included: the request's own (a trusting
+        worker's only), else --chat-template's, else the model's."""
+        options = body.template_options()
+        requested = body.requested_chat_template()
+        if requested is not None and not settings.trust_request_chat_template:
+            raise ClientError(
+                "this worker takes no chat template from requests: drop chat_template, or start "
+                "the worker with --trust-request-chat-template",
+                param="chat_template",
+            )
+        template = requested or settings.chat_template
+        if template is not None:
+            options["chat_template"] = template
+        elif client.tokenizer is not None and client.tokenizer.chat_template is None:
+            raise ClientError(
+                "this model has no chat template: send the prompt to /v1/completions, or start "
+                "the worker with --chat-template",
+                param="messages",
+            )
+        return options
+
     def tokenize_messages(
-        messages: list[ChatMessage], template_options: dict[str, Any], add_special_tokens: bool
+        messages: list[ChatMessage], body: ChatTemplateFields, add_special_tokens: bool
     ) -> list[int]:
+        options = template_options(body)
         try:
             return client.inputs.tokenize_chat(
-                [m.as_template_input() for m in messages], add_special_tokens, **template_options
+                [m.as_template_input() for m in messages], add_special_tokens, **options
             )
         except ValueError as exc:
             raise ClientError(str(exc), param="messages") from exc
@@ -273,8 +302,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             )
         if body.auto_tool_choice() and settings.tool_call_parser in KEEPS_SPECIAL_TOKENS:
             body.skip_special_tokens = False  # the calls' markers are special tokens
-        options = body.template_options()
-        prompt_ids = tokenize_messages(body.messages, options, body.add_special_tokens)
+        prompt_ids = tokenize_messages(body.messages, body, body.add_special_tokens)
         base_id = client.new_request_id()
         starts = [functools.partial(start, base_id, prompt_ids, body, body.num_logprobs())]
         writer = ChatWriter(client, settings, body, f"chatcmpl-{base_id}", [prompt_ids])

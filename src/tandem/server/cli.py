@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from tandem.api_keys import API_KEY_HELP, api_key_from_env
 from tandem.engine.cli import add_engine_arguments, engine_config_from_args
 from tandem.server.reasoning import REASONING_PARSERS
 from tandem.server.tool_calls import TOOL_CALL_PARSERS
@@ -16,6 +17,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", default=api_key_from_env(), help=API_KEY_HELP)
     parser.add_argument(
         "--role",
         default="both",
@@ -36,6 +38,19 @@ def add_parser(subparsers) -> None:
         help="auto: sampling fields a request leaves out take the values of the model's "
         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), as "
         "vLLM does; none: tandem's defaults",
+    )
+    chat = parser.add_argument_group("chat template")
+    chat.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="TEMPLATE",
+        help="a Jinja chat template, or the path of a file holding one, used instead of the "
+        "model's (for a model without one, or to change it)",
+    )
+    chat.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="take a request's own chat_template; without this, such a request is refused",
     )
     tools = parser.add_argument_group("tool calls")
     tools.add_argument(

@@ -13,6 +13,7 @@ import gc
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -62,6 +63,19 @@ def disaggregated_client(args: argparse.Namespace, config: EngineConfig) -> Disa
     )
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template's template: the value itself when it is Jinja, else the file it names."""
+    if "{{" in value or "{%" in value:
+        return value
+    try:
+        return Path(value).expanduser().read_text()
+    except OSError as exc:
+        raise SystemExit(
+            f"tandem worker: --chat-template {value!r} is not a Jinja template, and no file "
+            f"of that name can be read ({exc.strerror})"
+        ) from None
+
+
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -82,6 +96,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         use_generation_config=args.generation_config == "auto",
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
+        chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
+        trust_request_chat_template=args.trust_request_chat_template,
+        api_key=args.api_key,
     )
     started = {"ok": False}
 

@@ -243,10 +243,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatTemplateFields(BaseModel):
-    """How messages become a prompt (vLLM's fields): the template's extra arguments, whether it
-    opens the assistant's turn or continues the last message, and whether the tokenizer adds
-    its special tokens (BOS) on top of the template's."""
+    """How messages become a prompt (vLLM's fields): the request's own template (a worker
+    takes it only when trusted), the template's extra arguments, whether it opens the
+    assistant's turn or continues the last message, and whether the tokenizer adds its special
+    tokens (BOS) on top of the template's."""
 
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -261,10 +263,16 @@ class ChatTemplateFields(BaseModel):
             )
         return self
 
+    def requested_chat_template(self) -> str | None:
+        """The template the request brings: its field, or one among the template's arguments."""
+        return self.chat_template or (self.chat_template_kwargs or {}).get("chat_template")
+
     def template_options(self) -> dict[str, Any]:
-        """The chat template's keyword arguments."""
+        """The chat template's keyword arguments (the template itself is the server's choice)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        kwargs.pop("chat_template", None)
         return {
-            **(self.chat_template_kwargs or {}),
+            **kwargs,
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
         }

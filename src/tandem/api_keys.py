@@ -1,0 +1,69 @@
+"""API keys of the HTTP servers (the router and the workers): where a key comes from, and the
+ASGI guard that refuses a request without it.
+
+A server given a key (`--api-key`, else the environment variable `TANDEM_API_KEY`, as vLLM reads
+`VLLM_API_KEY`) wants `Authorization: Bearer <key>` on every endpoint but its open ones (health,
+version and metrics: for probes and scrapers), and answers OpenAI's 401 without it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Collection
+
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+API_KEY_ENV = "TANDEM_API_KEY"
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+API_KEY_HELP = (
+    "require 'Authorization: Bearer KEY' on every endpoint but /health, /version and /metrics "
+    f"(default: the environment variable {API_KEY_ENV}, which keeps the key out of process lists)"
+)
+
+
+def api_key_from_env() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def bearer_matches(headers: Headers, secret: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), secret)
+
+
+class RequireApiKey:
+    """ASGI middleware: the app's HTTP requests pass only with the key, but on open paths.
+    A server without a key adds none (`guard`), so its requests pay nothing for it."""
+
+    def __init__(
+        self, app: ASGIApp, api_key: str, open_paths: Collection[str] = OPEN_PATHS
+    ) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["path"] in self.open_paths
+            or bearer_matches(Headers(scope=scope), self.api_key)
+        ):
+            await self.app(scope, receive, send)
+            return
+        error = {
+            "message": "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+        refusal = JSONResponse({"error": error}, 401, headers={"www-authenticate": "Bearer"})
+        await refusal(scope, receive, send)
+
+
+def guard(app: Starlette, api_key: str | None, open_paths: Collection[str] = OPEN_PATHS) -> None:
+    """Make `app` want `api_key` on all but `open_paths`; with no key, leave it open."""
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key, open_paths=open_paths)
