@@ -552,7 +552,8 @@ def test_auto_tool_calls(client, llm):
     """tool_choice "auto" (the default with tools; the worker runs the hermes parser): an output
     held by a regex to the hermes format (the offline engine's output under that regex) answers
     with its text before the call as content and the call's arguments, finishing "tool_calls";
-    streamed, the content comes first and the call whole in the last chunk, no tag ever sent.
+    streamed, the content comes first, then the call as the model writes it: its index, id and
+    name, then its arguments in pieces that join to the text the model wrote, no tag ever sent.
     An output without calls is plain content."""
     weather = [{"role": "user", "content": "What is the weather in Paris?"}]
     held = {"structured_outputs": {"regex": HERMES_CALL_REGEX}}
@@ -580,10 +581,37 @@ def test_auto_tool_calls(client, llm):
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == "Let me check.\n"
     assert not any("<tool" in (d.content or "") for d in deltas)
-    (streamed_calls,) = [d.tool_calls for d in deltas if d.tool_calls]
-    assert deltas[-1].tool_calls == streamed_calls and streamed_calls[0].index == 0
-    assert streamed_calls[0].function.arguments == call.function.arguments
+    first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert not any(d.content for d in deltas[first_call:])
+    begun, *pieces = [piece for d in deltas for piece in d.tool_calls or []]
+    assert (begun.index, begun.type, begun.function.name) == (0, "function", "get_weather")
+    assert begun.id.startswith("call_")
+    assert len(pieces) > 2  # the arguments come as they are written
+    assert all((p.index, p.id, p.function.name) == (0, None, None) for p in pieces)
+    arguments = "".join(piece.function.arguments for piece in [begun, *pieces])
+    assert arguments == call_json[call_json.index("{", 1) : -1]  # as the model wrote them
+    assert json.loads(arguments) == json.loads(call.function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # Cut short inside the arguments: the call begun stays, its arguments as far as written,
+    # and the finish reason says so (not streamed, the cut output is content).
+    cut = next(
+        length
+        for length in range(len(reference.token_ids))
+        if '"city": "' in llm.tokenizer.decode(reference.token_ids[:length])
+    )
+    cut_text = llm.tokenizer.decode(reference.token_ids[:cut])
+    cut_chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=weather, tools=WEATHER_TOOLS, temperature=0, max_tokens=cut,
+            extra_body=held, stream=True,
+        )
+    )  # fmt: skip
+    cut_pieces = [p for c in cut_chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
+    assert cut_pieces[0].function.name == "get_weather"
+    cut_arguments = "".join(piece.function.arguments for piece in cut_pieces)
+    assert cut_text.endswith(cut_arguments) and cut_arguments.startswith('{"city": "')
+    assert cut_chunks[-1].choices[0].finish_reason == "length"
 
     plain = client.chat.completions.create(
         model=MODEL, messages=YES_OR_NO, tools=WEATHER_TOOLS, temperature=0, max_tokens=8

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tandem.server.tool_calls import ParsedOutput, content_end, parse_tool_calls
+from tandem.server.tool_calls import ParsedOutput, calls_so_far, content_end, parse_tool_calls
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "note": "a;b </x>"}}
 TIME = {"name": "get_time", "arguments": {}}
@@ -159,6 +159,33 @@ def test_streamed_content_is_never_taken_back(parser, text):
     for length in range(len(text) + 1):
         released = max(released, content_end(parser, text[:length]))
         assert content.startswith(text[:released]), (length, text[:released])
+
+
+# How many calls of each CALLS case are streamed (written as one object each, name first):
+# hermes' objects, not its list nor string arguments; llama3_json's objects; mistral's object
+# and v11 calls, not its list; no pythonic ones.
+STREAMED_CALLS = [2, 0, 1, 0] + [1, 2, 1] + [0, 1, 2] + [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "expected", "num_streamed"),
+    [(*case, count) for case, count in zip(CALLS, STREAMED_CALLS, strict=True)],
+)
+def test_streamed_calls_grow_into_the_calls_found(parser, text, expected, num_streamed):
+    """At every length of the growing output, the calls begun so far keep those begun before
+    (names, and arguments that only grow); at the end they are the first calls found in the
+    whole output, each complete, its arguments the same JSON."""
+    begun: list = []
+    for length in range(len(text) + 1):
+        calls = calls_so_far(parser, text[:length])
+        assert len(calls) >= len(begun), length
+        for before, now in zip(begun, calls[: len(begun)], strict=True):
+            assert now.name == before.name and now.arguments.startswith(before.arguments)
+        begun = calls
+    assert len(begun) == num_streamed
+    for call, (name, found_arguments) in zip(begun, expected.calls[:num_streamed], strict=True):
+        assert call.complete and call.name == name
+        assert json.loads(call.arguments) == json.loads(found_arguments)
 
 
 PLAIN = [

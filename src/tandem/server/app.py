@@ -40,7 +40,12 @@ from tandem.server.protocol import (
     error_body,
 )
 from tandem.server.reasoning import split_reasoning
-from tandem.server.tool_calls import KEEPS_SPECIAL_TOKENS, content_end, parse_tool_calls
+from tandem.server.tool_calls import (
+    KEEPS_SPECIAL_TOKENS,
+    calls_so_far,
+    content_end,
+    parse_tool_calls,
+)
 
 
 class ClientError(Exception):
@@ -79,6 +84,7 @@ class Choice:
     # (the text after the reasoning, if any) and of the reasoning sent
     content_sent: int = 0
     reasoning_sent: int = 0
+    arguments_sent: list[int] = field(default_factory=list)  # per tool call begun (streamed)
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -734,14 +740,7 @@ class ChatWriter(ResponseWriter):
                 content, calls, finish_reason = parsed.content, parsed.calls, "tool_calls"
         if calls is None:
             return {**body, "content": content}, finish_reason
-        tool_calls = [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            for name, arguments in calls
-        ]
+        tool_calls = [new_tool_call(name, arguments) for name, arguments in calls]
         return {**body, "content": content, "tool_calls": tool_calls}, finish_reason
 
     def full_choice(self, index: int, choice: Choice) -> dict[str, Any]:
@@ -766,10 +765,11 @@ class ChatWriter(ResponseWriter):
         self, index: int, delta: SequenceDelta, choice: Choice
     ) -> dict[str, Any] | None:
         """A chunk, or None when it would say nothing. Forced tool calls go out whole in the
-        last chunk; with tool_choice "auto", text that may begin a call is held back until the
-        output ends, and the calls found in it go out whole in the last chunk. With a reasoning
-        parser, the reasoning goes out as `reasoning` (and `reasoning_content`, its older
-        name), less what may begin its end tag, and the content after it."""
+        last chunk; with tool_choice "auto", text that may begin a call is held back, a call
+        the parser can stream goes out as the model writes it (its index, id and name first,
+        then pieces of its arguments), and the other calls found go out whole in the last chunk.
+        With a reasoning parser, the reasoning goes out as `reasoning` (and `reasoning_content`,
+        its older name), less what may begin its end tag, and the content after it."""
         body, finish_reason = {"content": delta.text} if delta.text else {}, delta.finish_reason
         forced = self.body.forced_tool_calls() is not None
         parser = self.auto_tool_call_parser()
@@ -792,8 +792,8 @@ class ChatWriter(ResponseWriter):
         }
 
     def pieces_so_far(self, choice: Choice, tool_call_parser: str | None) -> dict[str, Any]:
-        """The reasoning and content of an unfinished output not sent yet, less what may
-        begin the reasoning's end tag or a tool call."""
+        """The reasoning, content and tool calls of an unfinished output not sent yet, less
+        what may begin the reasoning's end tag or a tool call."""
         text, body = choice.text, {}
         if self.reasoning_parser is not None:
             split = split_reasoning(
@@ -809,20 +809,64 @@ class ChatWriter(ResponseWriter):
         if piece := text[choice.content_sent : end]:
             body["content"] = piece
             choice.content_sent = end
+        if tool_call_parser is not None:
+            begun = calls_so_far(tool_call_parser, text)
+            if calls := self.call_pieces(choice, [(c.name, c.arguments) for c in begun]):
+                body["tool_calls"] = calls
         return body
 
+    @staticmethod
+    def call_pieces(choice: Choice, calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """The tool call deltas that bring what was sent of the calls up to `calls` (name,
+        arguments so far): a call not begun yet goes out with its index, id, type and name,
+        and every call with the arguments not sent yet."""
+        pieces, sent = [], choice.arguments_sent
+        for index, (name, arguments) in enumerate(calls):
+            if index == len(sent):
+                pieces.append({"index": index, **new_tool_call(name, arguments)})
+                sent.append(len(arguments))
+            elif rest := arguments[sent[index] :]:
+                pieces.append({"index": index, "function": {"arguments": rest}})
+                sent[index] = len(arguments)
+        return pieces
+
     def last_delta(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
-        """The last chunk's delta when the output is parsed whole: the reasoning and content
-        not sent yet, and the tool calls (each with its index), with the finish reason."""
+        """The last chunk's delta when the output is parsed whole: the reasoning, content and
+        tool calls not sent yet (each call with its index), with the finish reason. Calls
+        begun while streaming are kept, their arguments finished as written: the output is a
+        tool call answer even if the rest of it holds no valid call (finish reason
+        "tool_calls", unless a call was cut short)."""
         body, finish_reason = self.answer(choice)
         delta: dict[str, Any] = {}
         if rest := (body.get("reasoning") or "")[choice.reasoning_sent :]:
             delta.update(reasoning=rest, reasoning_content=rest)
-        if rest := (body["content"] or "")[choice.content_sent :]:
+        found = [
+            (call["function"]["name"], call["function"]["arguments"])
+            for call in body.get("tool_calls", [])
+        ]
+        content, calls = body["content"] or "", found
+        if choice.arguments_sent:
+            content = choice.text
+            if self.reasoning_parser is not None:
+                split = split_reasoning(self.reasoning_parser, content, finished=True)
+                content = split.content(content) or ""
+            parser = self.auto_tool_call_parser()
+            begun = calls_so_far(parser, content)
+            content = content[: content_end(parser, content)]
+            calls = [(call.name, call.arguments) for call in begun] + found[len(begun) :]
+            if all(call.complete for call in begun):
+                finish_reason = "tool_calls"
+        if rest := content[choice.content_sent :]:
             delta["content"] = rest
-        if "tool_calls" in body:
-            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(body["tool_calls"])]
+        if pieces := self.call_pieces(choice, calls):
+            delta["tool_calls"] = pieces
         return delta, finish_reason
+
+
+def new_tool_call(name: str, arguments: str) -> dict[str, Any]:
+    """An OpenAI tool call, with an id of its own."""
+    function = {"name": name, "arguments": arguments}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
 
 
 def check_error(delta: SequenceDelta) -> None:

@@ -19,7 +19,11 @@ Each parser knows one output format:
 
 An output whose calls are not all valid JSON of that shape is content, with no calls, as in vLLM.
 While a response streams, `content_end` says how much of the text so far is surely content: the
-rest may begin a call and is held until the output ends.
+rest may begin a call. `calls_so_far` gives the calls begun: a call written as one object, its
+name first (`{"name": ..., "arguments": {...}}` of hermes and llama3_json, mistral's
+`name[ARGS]{...}`), is streamed from the moment its name is known, its arguments as the raw
+JSON text the model writes; from a call in another shape on (a list of calls, pythonic), the
+calls wait for the whole output.
 """
 
 from __future__ import annotations
@@ -45,12 +49,30 @@ _MARKERS = {"hermes": HERMES_START, "mistral": MISTRAL_CALLS}  # formats whose c
 # The formats that are the whole output: the character a call begins with, and a tag before it.
 _WHOLE_OUTPUT_STARTS = {"llama3_json": ("{", PYTHON_TAG), "pythonic": ("[", PYTHON_START)}
 _SEPARATOR = re.compile(r"\s*(?:;\s*|\Z)")  # between two llama3_json calls, or at the end
+# The beginning of a call written as one object, up to its arguments object: the name (a JSON
+# string) in group 1; and mistral's `name[ARGS]` before an object, the name in group 1.
+_OBJECT_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+_MISTRAL_CALL_HEAD = re.compile(r"\s*([\w.-]+)" + re.escape(MISTRAL_ARGS) + r"\s*(?=\{)")
+_OBJECT_END_AND_SEPARATOR = re.compile(r"\s*\}\s*;")  # after a llama3_json call's arguments
+_DECODER = json.JSONDecoder()
 
 
 @dataclass
 class ParsedOutput:
     content: str | None  # None when the output holds only calls
     calls: list[tuple[str, str]]  # (function name, arguments as a JSON string)
+
+
+@dataclass
+class CallSoFar:
+    """A call an output has begun: its name, and its arguments as the raw JSON text written so
+    far (the whole object once `complete`)."""
+
+    name: str
+    arguments: str
+    complete: bool
 
 
 def parse_tool_calls(parser: str, text: str) -> ParsedOutput:
@@ -69,6 +91,64 @@ def content_end(parser: str, text: str) -> int:
     if not head or head.startswith(opening) or tag.startswith(head[: len(tag)]):
         return 0  # may still become calls
     return len(text)
+
+
+def calls_so_far(parser: str, text: str) -> list[CallSoFar]:
+    """The calls a partial output has begun that can be streamed, in order (see above)."""
+    calls: list[CallSoFar] = []
+    if parser == "llama3_json":
+        head = text.lstrip()
+        position = len(text) - len(head) + (len(PYTHON_TAG) if head.startswith(PYTHON_TAG) else 0)
+        while (call := _object_call_at(text, position)) is not None:
+            calls.append(call[0])
+            separator = _OBJECT_END_AND_SEPARATOR.match(text, call[1]) if call[0].complete else None
+            if separator is None:
+                break
+            position = separator.end()
+        return calls
+    if parser not in _MARKERS:
+        return calls  # pythonic: whole calls only
+    marker = _MARKERS[parser]
+    position = text.find(marker)
+    while position >= 0:
+        call = _object_call_at(text, position + len(marker))
+        if call is None and parser == "mistral":
+            call = _mistral_call_at(text, position + len(marker))
+        if call is None:
+            break
+        calls.append(call[0])
+        if not call[0].complete:
+            break
+        position = text.find(marker, call[1])
+    return calls
+
+
+def _object_call_at(text: str, position: int) -> tuple[CallSoFar, int] | None:
+    """The call `{"name": ..., "arguments": {...` begun at `position`, and where its arguments
+    end (or the text does); None if the text there begins no such call (yet)."""
+    head = _OBJECT_CALL_HEAD.match(text, position)
+    if head is None:
+        return None
+    try:
+        name = json.loads(head.group(1))
+    except ValueError:
+        return None
+    return _arguments_from(text, name, head.end())
+
+
+def _mistral_call_at(text: str, position: int) -> tuple[CallSoFar, int] | None:
+    head = _MISTRAL_CALL_HEAD.match(text, position)
+    return None if head is None else _arguments_from(text, head.group(1), head.end())
+
+
+def _arguments_from(text: str, name: str, start: int) -> tuple[CallSoFar, int]:
+    """The call whose arguments object begins at `start`: whole if it is complete JSON, else
+    the text so far (an unfinished JSON value holds all that follows its beginning)."""
+    try:
+        _, end = _DECODER.raw_decode(text, start)
+    except ValueError:
+        return CallSoFar(name, text[start:], complete=False), len(text)
+    return CallSoFar(name, text[start:end], complete=True), end
 
 
 def _parse_hermes(text: str) -> ParsedOutput:
