@@ -161,10 +161,9 @@ def test_streamed_content_is_never_taken_back(parser, text):
         assert content.startswith(text[:released]), (length, text[:released])
 
 
-# How many calls of each CALLS case are streamed (written as one object each, name first):
-# hermes' objects, not its list nor string arguments; llama3_json's objects; mistral's object
-# and v11 calls, not its list; no pythonic ones.
-STREAMED_CALLS = [2, 0, 1, 0] + [1, 2, 1] + [0, 1, 2] + [0, 0]
+# How many calls of each CALLS case are streamed (written as objects, name first,
+# alone or in a list): all but hermes' string arguments (and the call after it) and pythonic's.
+STREAMED_CALLS = [2, 2, 1, 0] + [1, 2, 1] + [2, 1, 2] + [0, 0]
 
 
 @pytest.mark.parametrize(

@@ -19,11 +19,11 @@ Each parser knows one output format:
 
 An output whose calls are not all valid JSON of that shape is content, with no calls, as in vLLM.
 While a response streams, `content_end` says how much of the text so far is surely content: the
-rest may begin a call. `calls_so_far` gives the calls begun: a call written as one object, its
-name first (`{"name": ..., "arguments": {...}}` of hermes and llama3_json, mistral's
+rest may begin a call. `calls_so_far` gives the calls begun: a call written as an object, its
+name first (`{"name": ..., "arguments": {...}}`, alone or in a list, and mistral's
 `name[ARGS]{...}`), is streamed from the moment its name is known, its arguments as the raw
-JSON text the model writes; from a call in another shape on (a list of calls, pythonic), the
-calls wait for the whole output.
+JSON text the model writes; from a call in another shape on (arguments as a string, pythonic),
+the calls wait for the whole output.
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ _MARKERS = {"hermes": HERMES_START, "mistral": MISTRAL_CALLS}  # formats whose c
 # The formats that are the whole output: the character a call begins with, and a tag before it.
 _WHOLE_OUTPUT_STARTS = {"llama3_json": ("{", PYTHON_TAG), "pythonic": ("[", PYTHON_START)}
 _SEPARATOR = re.compile(r"\s*(?:;\s*|\Z)")  # between two llama3_json calls, or at the end
-# The beginning of a call written as one object, up to its arguments object: the name (a JSON
+# The beginning of a call written as an object, up to its arguments object: the name (a JSON
 # string) in group 1; and mistral's `name[ARGS]` before an object, the name in group 1.
 _OBJECT_CALL_HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 )
 _MISTRAL_CALL_HEAD = re.compile(r"\s*([\w.-]+)" + re.escape(MISTRAL_ARGS) + r"\s*(?=\{)")
-_OBJECT_END_AND_SEPARATOR = re.compile(r"\s*\}\s*;")  # after a llama3_json call's arguments
+_CLOSING_BRACE, _LIST_START = re.compile(r"\s*\}"), re.compile(r"\s*\[")
+_SEMICOLON, _COMMA = re.compile(r"\s*;"), re.compile(r"\s*,")  # between two streamed calls
 _DECODER = json.JSONDecoder()
 
 
@@ -95,32 +96,46 @@ def content_end(parser: str, text: str) -> int:
 
 def calls_so_far(parser: str, text: str) -> list[CallSoFar]:
     """The calls a partial output has begun that can be streamed, in order (see above)."""
-    calls: list[CallSoFar] = []
     if parser == "llama3_json":
         head = text.lstrip()
         position = len(text) - len(head) + (len(PYTHON_TAG) if head.startswith(PYTHON_TAG) else 0)
-        while (call := _object_call_at(text, position)) is not None:
-            calls.append(call[0])
-            separator = _OBJECT_END_AND_SEPARATOR.match(text, call[1]) if call[0].complete else None
-            if separator is None:
-                break
-            position = separator.end()
-        return calls
+        return _object_calls(text, position, _SEMICOLON)[0]
     if parser not in _MARKERS:
-        return calls  # pythonic: whole calls only
-    marker = _MARKERS[parser]
+        return []  # pythonic: whole calls only
+    marker, calls = _MARKERS[parser], []
     position = text.find(marker)
     while position >= 0:
-        call = _object_call_at(text, position + len(marker))
-        if call is None and parser == "mistral":
-            call = _mistral_call_at(text, position + len(marker))
-        if call is None:
+        position += len(marker)
+        if (bracket := _LIST_START.match(text, position)) is not None:
+            found, end = _object_calls(text, bracket.end(), _COMMA)  # a list of calls
+        elif parser == "mistral" and (call := _mistral_call_at(text, position)) is not None:
+            found, end = [call[0]], call[1] if call[0].complete else None
+        else:
+            found, end = _object_calls(text, position, None)
+        calls += found
+        if end is None:
             break
-        calls.append(call[0])
-        if not call[0].complete:
-            break
-        position = text.find(marker, call[1])
+        position = text.find(marker, end)
     return calls
+
+
+def _object_calls(
+    text: str, position: int, separator: re.Pattern[str] | None
+) -> tuple[list[CallSoFar], int | None]:
+    """The calls written as objects from `position` on, `separator` between two (None: one
+    call alone); and where the last one ends, None while a call is unfinished or followed by
+    something other than its closing brace."""
+    calls: list[CallSoFar] = []
+    while (call := _object_call_at(text, position)) is not None:
+        calls.append(call[0])
+        closing = _CLOSING_BRACE.match(text, call[1]) if call[0].complete else None
+        if closing is None:
+            return calls, None
+        following = None if separator is None else separator.match(text, closing.end())
+        if following is None:
+            return calls, closing.end()
+        position = following.end()
+    return calls, None
 
 
 def _object_call_at(text: str, position: int) -> tuple[CallSoFar, int] | None:
