@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker_fixtures import WorkerProcess, read_metrics, start_worker
+from worker_fixtures import WorkerProcess, read_metrics, start_tandem, start_worker
 
 HTTP_TIMEOUT_S = 300.0
 
@@ -50,6 +50,18 @@ def running_workers(
         name: functools.partial(start_worker, log_dir, *flags, model=model)
         for name, flags in specs.items()
     }
+    return running_processes(starts)
+
+
+def running_routers(
+    log_dir: Path, prefill_url: str, decode_url: str
+) -> contextlib.AbstractContextManager[dict[str, WorkerProcess]]:
+    """tandem routers over one prefill and one decode worker, one per flow: "handoff" (both
+    legs at once) and "in sequence" (`--no-handoff`, vLLM's order), started together."""
+    start = functools.partial(
+        start_tandem, log_dir, "router", "--prefill", prefill_url, "--decode", decode_url
+    )
+    starts = {"handoff": start, "in sequence": functools.partial(start, "--no-handoff")}
     return running_processes(starts)
 
 

@@ -9,7 +9,6 @@ and seeded sampling, collected and streamed, on /v1/completions (token-id and te
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import shutil
@@ -31,13 +30,13 @@ from pd_fixtures import (
     run_direct,
     run_pd,
     run_pd_and_direct,
-    running_processes,
+    running_routers,
     running_workers,
     wait_for_value,
     wait_until,
     with_defaults,
 )
-from worker_fixtures import DEFAULT_MODEL, free_port, start_tandem
+from worker_fixtures import DEFAULT_MODEL, free_port
 
 MAX_TOKENS = 8
 BLOCK_SIZE = 16
@@ -216,17 +215,8 @@ def test_stop_string_on_the_first_token_ends_at_prefill(client, trio):
 def routers(trio, tmp_path_factory) -> Iterator[dict]:
     """tandem routers over the trio's prefill and decode workers: the handoff flow, and the
     legs in sequence."""
-    start = functools.partial(
-        start_tandem,
-        tmp_path_factory.mktemp("routers"),
-        "router",
-        "--prefill",
-        trio["prefill"].url,
-        "--decode",
-        trio["decode"].url,
-    )
-    starts = {"handoff": start, "in sequence": functools.partial(start, "--no-handoff")}
-    with running_processes(starts) as routers:
+    log_dir = tmp_path_factory.mktemp("routers")
+    with running_routers(log_dir, trio["prefill"].url, trio["decode"].url) as routers:
         yield routers
 
 

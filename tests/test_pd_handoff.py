@@ -22,11 +22,11 @@ from pd_fixtures import (
     post,
     prompt_set,
     run_direct,
+    running_routers,
     running_workers,
     wait_until,
     with_defaults,
 )
-from worker_fixtures import start_tandem
 
 CHECKPOINT = "llama-gqa"
 VOCAB = (1, 512)
@@ -48,17 +48,11 @@ def cluster(tiny_checkpoints, tmp_path_factory) -> Iterator[dict]:
     }
     log_dir = tmp_path_factory.mktemp("pd-handoff")
     model = str(tiny_checkpoints[CHECKPOINT])
-    with running_workers(log_dir, specs, model) as workers:
-        pair = ("--prefill", workers["prefill"].url, "--decode", workers["decode"].url)
-        router = start_tandem(log_dir, "router", *pair)
-        in_sequence = start_tandem(log_dir, "router", *pair, "--no-handoff")
-        try:
-            router.wait_healthy()
-            in_sequence.wait_healthy()
-            yield dict(workers, router=router, in_sequence=in_sequence)
-        finally:
-            router.stop()
-            in_sequence.stop()
+    with (
+        running_workers(log_dir, specs, model) as workers,
+        running_routers(log_dir, workers["prefill"].url, workers["decode"].url) as routers,
+    ):
+        yield dict(workers, router=routers["handoff"], in_sequence=routers["in sequence"])
 
 
 @pytest.fixture(scope="module")
