@@ -1,12 +1,23 @@
 """Reasoning split off a model's text (`--reasoning-parser`): each parser's reasoning and
 content for outputs written out by hand, and the streaming contract: what an unfinished output
-lets go of as reasoning, and its content once known, always start the whole output's."""
+lets go of as reasoning, and its content once known, always start the whole output's. Then a
+structured output after the reasoning: where it starts, for prompts written by hand, and a
+worker on a tiny checkpoint whose tokenizer has the tags, against the offline engine."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import shutil
 
-from tandem.server.reasoning import split_reasoning
+import httpx
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from tandem import LLM, SamplingParams
+from tandem.engine.structured_output import StructuredOutput
+from tandem.server.reasoning import split_reasoning, structured_output_start
+from worker_fixtures import running_worker
 
 
 def parts(parser: str, text: str, finished: bool = True) -> tuple[str | None, str | None]:
@@ -57,3 +68,113 @@ def test_what_may_begin_the_end_tag_is_held():
     assert parts("deepseek_r1", "<think>Hmm </thi", finished=False) == ("Hmm ", None)
     assert parts("deepseek_r1", "<think>Hmm </b", finished=False) == ("Hmm </b", None)
     assert parts("qwen3", "<th", finished=False) == ("", None)  # may still open
+
+
+CITIES = ["Paris", "London", "Lisbon"]
+# A DeepSeek-R1-like template: the prompt opens the reasoning, unless thinking is turned off,
+# when it writes both tags.
+TEMPLATE = (
+    "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+    "{% else %}<think>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer() -> PreTrainedTokenizerFast:
+    """A small byte-level BPE tokenizer with `<think>` and `</think>` as tokens of their own
+    (added, not special: they stay in the text, as in Qwen3's and DeepSeek-R1's)."""
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator([" ".join(CITIES) + " pick a city for me"] * 10, trainer)
+    core.add_tokens(["<think>", "</think>"])
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>")
+
+
+def test_a_structured_output_starts_after_the_reasoning_the_prompt_left_open(thinking_tokenizer):
+    start, end = thinking_tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert structured_output_start(thinking_tokenizer, [5, 6]) == end  # the answer opens it
+    assert structured_output_start(thinking_tokenizer, [5, start]) == end  # the prompt did
+    assert structured_output_start(thinking_tokenizer, [5, start, 6, end]) is None  # closed
+    assert structured_output_start(thinking_tokenizer, [start, end, 5, start]) == end  # again
+    without_tags = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
+    assert structured_output_start(without_tags, [5, 6]) is None  # no tag to wait for
+
+
+def test_a_worker_holds_only_the_answer_after_the_reasoning(
+    thinking_tokenizer, tiny_checkpoints, tmp_path
+):
+    """A worker with --reasoning-parser deepseek_r1 on a tiny checkpoint: a choice held after
+    the reasoning (the end tag forced first by a logit bias, which the grammar then masks) is
+    the offline engine's output with the grammar after `</think>`, split at the tag, collected
+    and streamed; a forced tool call's arguments begin after the tag too; with thinking turned
+    off in the prompt, the grammar holds the whole answer (no end tag despite the bias) and
+    nothing is split off."""
+    checkpoint = tmp_path / "thinking"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], checkpoint)
+    thinking_tokenizer.save_pretrained(checkpoint)
+    end = thinking_tokenizer.convert_tokens_to_ids("</think>")
+    messages = [{"role": "user", "content": "pick a city"}]
+    body = {
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": 12,
+        "structured_outputs": {"choice": CITIES},
+        "logit_bias": {str(end): 100},
+        "return_token_ids": True,
+    }
+    flags = ("--reasoning-parser", "deepseek_r1", "--chat-template", TEMPLATE)
+    with running_worker(tmp_path, *flags, model=str(checkpoint)) as worker:
+        chat = worker.url + "/v1/chat/completions"
+        prompt = httpx.post(worker.url + "/tokenize", json={"messages": messages}).json()
+        llm = LLM(str(checkpoint), device="cpu", num_kv_blocks=64, block_size=8)
+        (reference,) = llm.generate(
+            [prompt["tokens"]],
+            SamplingParams(
+                temperature=0,
+                max_tokens=12,
+                structured_output=StructuredOutput(choice=CITIES),
+                structured_output_after=end,
+                logit_bias={end: 100},
+            ),
+        )
+        assert reference.outputs[0].token_ids[0] == end
+        reasoning, _, content = reference.outputs[0].text.partition("</think>")
+        assert content in CITIES
+
+        choice = httpx.post(chat, json=body, timeout=60).json()["choices"][0]
+        assert choice["token_ids"] == reference.outputs[0].token_ids
+        message = choice["message"]
+        assert (message["reasoning"], message["content"]) == (reasoning, content)
+        assert choice["finish_reason"] == "stop"
+        with httpx.stream("POST", chat, json={**body, "stream": True}, timeout=60) as response:
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+        pieces = [json.loads(line)["choices"][0]["delta"] for line in lines]
+        assert "".join(d.get("content") or "" for d in pieces) == content
+        assert not any("</think>" in (d.get("content") or "") for d in pieces)
+
+        # A forced tool call too (this model writes the schema's whitespace until max_tokens:
+        # the call is cut short, its arguments begun after the tag).
+        schema = {"type": "object", "properties": {"city": {"enum": CITIES}}, "required": ["city"]}
+        tool = {"type": "function", "function": {"name": "pick", "parameters": schema}}
+        forced = {key: value for key, value in body.items() if key != "structured_outputs"}
+        forced.update(tools=[tool], tool_choice={"type": "function", "function": {"name": "pick"}})
+        choice = httpx.post(chat, json=forced, timeout=60).json()["choices"][0]
+        assert choice["token_ids"][0] == end and choice["message"]["reasoning"] == ""
+        assert choice["message"]["content"].startswith("{")
+
+        unusable = httpx.post(chat, json={**body, "structured_outputs": {"regex": "("}})
+        assert unusable.status_code == 400, unusable.text
+
+        thinking_off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+        choice = httpx.post(chat, json=thinking_off, timeout=60).json()["choices"][0]
+        assert end not in choice["token_ids"]
+        assert choice["message"]["content"] in CITIES
+        assert choice["message"].get("reasoning") is None

@@ -165,6 +165,33 @@ def test_greedy_choice_matches_a_hand_masked_transformers_loop(llm, checkpoint, 
     assert llm.core.kv_manager.num_used_blocks == 0
 
 
+def test_a_grammar_after_a_token_leaves_the_output_free_until_it(llm, checkpoint, tokenizer):
+    """`structured_output_after` (a reasoning model's end of reasoning): greedy, the output is
+    the free output up to that token, then the hand-masked transformers loop's choice from
+    there; a plain request in the same batch samples as it does alone."""
+    choices = ["cabbage", "London", "quick fox"]
+    prompt = [7, 70, 170, 270, 370, 470]
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (free,) = llm.generate([prompt], plain)
+    free_ids = free.outputs[0].token_ids
+    cut = next(i for i in range(1, len(free_ids)) if free_ids[i] not in free_ids[:i])
+    after = free_ids[cut]
+    gated = SamplingParams(
+        temperature=0,
+        max_tokens=40,
+        structured_output=StructuredOutput(choice=choices),
+        structured_output_after=after,
+    )
+    outputs = llm.generate([prompt, prompt], [gated, plain])
+    expected = free_ids[: cut + 1]
+    expected += reference_choice(checkpoint, tokenizer, prompt + expected, choices)
+    assert outputs[0].outputs[0].token_ids == expected
+    assert outputs[0].outputs[0].finish_reason == "stop"
+    assert tokenizer.decode(expected[cut + 1 :]) in choices
+    assert outputs[1].outputs[0].token_ids == free_ids
+    assert llm.core.kv_manager.num_used_blocks == 0
+
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -109,8 +109,11 @@ class EngineCore:
         self.grammars.set_tokenizer(tokenizer_json, list(eos_token_ids))
 
     def add_request(self, request: Request) -> None:
-        if (structured := request.sampling_params.structured_output) is not None:
-            request.grammar = self.grammars.matcher(structured, request.output_token_ids)
+        params = request.sampling_params
+        if params.structured_output is not None:
+            request.grammar = self.grammars.matcher(
+                params.structured_output, request.output_token_ids, params.structured_output_after
+            )
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:

@@ -114,6 +114,8 @@ class InputProcessor:
             )
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(params.logit_bias, "logit_bias")
+        if params.structured_output_after is not None:
+            self.check_token_ids([params.structured_output_after], "structured_output_after")
         if params.structured_output is not None and not self.has_fast_tokenizer:
             raise ValueError(
                 "structured outputs need the model's tokenizer (a fast one); this model has none"

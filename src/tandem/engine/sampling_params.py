@@ -41,8 +41,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
-    # Holds the output to a JSON schema, regex, choice or grammar (structured outputs).
+    # Holds the output to a JSON schema, regex, choice or grammar (structured outputs): all of
+    # it, or with `structured_output_after` set, what follows the first such token (a reasoning
+    # model's end of reasoning: the reasoning before it is free).
     structured_output: StructuredOutput | None = None
+    structured_output_after: int | None = None
     # Whether sampling needs the tokens the request has seen so far (set from the penalties).
     penalizes_history: bool = field(init=False, repr=False, compare=False)
 

@@ -6,7 +6,9 @@ the client's error. In the engine, `GrammarBackend` gives each such request a `G
 which follows the tokens the request outputs (a PD decode worker's matcher starts by following
 the first token its prefill worker sampled) and, before each of its sampling steps, the set of
 tokens the grammar allows next; `apply_grammar_masks` turns the batch's sets into -inf logits. A
-request ends ("stop") as soon as its grammar is complete.
+request ends ("stop") as soon as its grammar is complete. A matcher may wait for a token (the end
+of a reasoning model's reasoning) before it holds anything: the outputs up to that token are
+free, and its grammar starts after it.
 """
 
 from __future__ import annotations
@@ -88,17 +90,28 @@ class StructuredOutput:
 class GrammarMatcher:
     """One request's grammar state: which tokens may come next, given the outputs so far."""
 
-    def __init__(self, matcher: Any, output_token_ids: list[int]) -> None:
+    def __init__(self, matcher: Any, output_token_ids: list[int], after: int | None = None) -> None:
         self.matcher = matcher  # llguidance's LLMatcher
         self._outputs = output_token_ids  # the request's own list, followed as it grows
         self._num_followed = 0
+        self._after = after  # the token the grammar starts after, until it came
+
+    @property
+    def active(self) -> bool:
+        """The grammar holds the next token (it waits for no token, or that token came)."""
+        return self._after is None
 
     def follow(self) -> None:
-        """Advance over the outputs added since the last call."""
+        """Advance over the outputs added since the last call (from the awaited token on)."""
         new = self._outputs[self._num_followed :]
+        self._num_followed = len(self._outputs)
+        if self._after is not None:
+            if self._after not in new:
+                return
+            new = new[new.index(self._after) + 1 :]
+            self._after = None
         if new:
             self.matcher.consume_tokens(new)
-            self._num_followed = len(self._outputs)
 
     def count_sampled(self) -> None:
         """The matcher has consumed a token sampled for this request that the scheduler is
@@ -108,7 +121,7 @@ class GrammarMatcher:
     @property
     def is_complete(self) -> bool:
         """The grammar allows nothing more (an output that reached this ends there)."""
-        return self.matcher.is_stopped()
+        return self.active and self.matcher.is_stopped()
 
     @property
     def error(self) -> str | None:
@@ -139,14 +152,15 @@ class GrammarBackend:
         eos = ids[0] if len(ids) == 1 else ids or None  # one id as an int: any version takes it
         return llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
 
-    def matcher(self, spec: StructuredOutput, output_token_ids: list[int]) -> GrammarMatcher:
+    def matcher(
+        self, spec: StructuredOutput, output_token_ids: list[int], after: int | None = None
+    ) -> GrammarMatcher:
         if self.tokenizer_json is None:
             raise ValueError("structured outputs need the model's tokenizer (a fast tokenizer)")
         import llguidance
 
-        return GrammarMatcher(
-            llguidance.LLMatcher(self._tokenizer, spec.compiled, log_level=0), output_token_ids
-        )
+        matcher = llguidance.LLMatcher(self._tokenizer, spec.compiled, log_level=0)
+        return GrammarMatcher(matcher, output_token_ids, after)
 
 
 def tokenizer_json(tokenizer: Any) -> str | None:
@@ -166,10 +180,13 @@ def _mask_executor() -> Any:
 
 
 def follow_sampled(grammars: Sequence[GrammarMatcher | None], token_ids: Sequence[int]) -> None:
-    """Advance each row's grammar over the token just sampled for it, all rows at once in
-    llguidance's thread pool; the scheduler appends the tokens to the outputs next. The
-    grammars have followed the outputs so far (`apply_grammar_masks`, earlier in the step)."""
-    rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+    """Advance each row's active grammar over the token just sampled for it, all rows at once
+    in llguidance's thread pool; the scheduler appends the tokens to the outputs next (a
+    waiting grammar sees them there). The grammars have followed the outputs so far
+    (`apply_grammar_masks`, earlier in the step)."""
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and grammar.active]
+    if not rows:
+        return
     _mask_executor().consume_token_par([(grammars[row].matcher, token_ids[row]) for row in rows])
     for row in rows:
         grammars[row].count_sampled()
@@ -179,14 +196,17 @@ def apply_grammar_masks(
     logits: torch.Tensor, grammars: Sequence[GrammarMatcher | None]
 ) -> torch.Tensor:
     """The logits [rows, vocab] with -inf for the tokens each row's grammar does not allow next
-    (rows without a grammar as they are). The masks are computed on the host while the GPU may
-    still be running the step's forward pass."""
-    rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+    (rows without a grammar, or whose grammar waits, as they are). The masks are computed on
+    the host while the GPU may still be running the step's forward pass."""
+    for grammar in grammars:
+        if grammar is not None:
+            grammar.follow()
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and grammar.active]
+    if not rows:
+        return logits
     vocab = logits.shape[-1]
     words = (vocab + 31) // 32  # token i: bit i % 32 of int32 word i // 32
     masks = torch.empty((len(rows), words), dtype=torch.int32)
-    for row in rows:
-        grammars[row].follow()
     _mask_executor().unsafe_compute_mask_ptr(
         [(grammars[row].matcher, index) for index, row in enumerate(rows)],
         masks.data_ptr(),

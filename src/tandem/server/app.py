@@ -39,7 +39,7 @@ from tandem.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from tandem.server.reasoning import split_reasoning
+from tandem.server.reasoning import split_reasoning, structured_output_start
 from tandem.server.tool_calls import (
     KEEPS_SPECIAL_TOKENS,
     calls_so_far,
@@ -223,13 +223,19 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             )
 
     async def start(
-        request_id: str, prompt_ids: list[int], body: SamplingFields, logprobs: int | None
+        request_id: str,
+        prompt_ids: list[int],
+        body: SamplingFields,
+        logprobs: int | None,
+        structured_output_after: int | None = None,
     ) -> PrimedStream:
         """Validate, submit and return the request's delta stream, primed: admission errors
         surface here as ClientErrors, before any response byte is written."""
         try:
             defaults = client.sampling_defaults if settings.use_generation_config else {}
             params = body.sampling_params(logprobs, defaults)
+            if structured_output_after is not None:
+                params = params.with_updates(structured_output_after=structured_output_after)
             stream = client.generate(request_id, prompt_ids, params, body.kv_transfer_params)
             first = await anext(stream)
         except QueueFullError as exc:
@@ -310,8 +316,9 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             body.skip_special_tokens = False  # the calls' markers are special tokens
         prompt_ids = tokenize_messages(body.messages, body, body.add_special_tokens)
         base_id = client.new_request_id()
-        starts = [functools.partial(start, base_id, prompt_ids, body, body.num_logprobs())]
         writer = ChatWriter(client, settings, body, f"chatcmpl-{base_id}", [prompt_ids])
+        logprobs, after = body.num_logprobs(), writer.structured_output_after
+        starts = [functools.partial(start, base_id, prompt_ids, body, logprobs, after)]
         return await respond(raw, body, starts, writer)
 
     async def respond(raw: Request, body: SamplingFields, starts, writer) -> Response:
@@ -708,11 +715,30 @@ class ChatWriter(ResponseWriter):
         return self.settings.tool_call_parser if self.body.auto_tool_choice() else None
 
     @functools.cached_property
+    def is_structured(self) -> bool:
+        """A structured output or a forced tool call holds (part of) the answer."""
+        try:
+            return self.body.structured_output() is not None
+        except ValueError:  # an unusable constraint: the request's start refuses it (a 400)
+            return False
+
+    @functools.cached_property
+    def structured_output_after(self) -> int | None:
+        """With a reasoning parser, the token after which a structured output or a forced tool
+        call holds the answer (the reasoning's end tag: the reasoning before it is free); None
+        when there is none to wait for (see `structured_output_start`)."""
+        if self.settings.reasoning_parser is None or self.client.tokenizer is None:
+            return None
+        if not self.is_structured:
+            return None
+        return structured_output_start(self.client.tokenizer, self.prompt_ids[0])
+
+    @functools.cached_property
     def reasoning_parser(self) -> str | None:
-        """The parser that splits this request's reasoning off its content; none under a
-        structured output or a forced tool call (held from the first token, there is no
-        reasoning to split off)."""
-        if self.settings.reasoning_parser is None or self.body.structured_output() is not None:
+        """The parser that splits this request's reasoning off its content; none for a
+        structured output or a forced tool call held from its first token (no reasoning)."""
+        held_from_the_start = self.is_structured and self.structured_output_after is None
+        if self.settings.reasoning_parser is None or held_from_the_start:
             return None
         return self.settings.reasoning_parser
 
@@ -776,10 +802,10 @@ class ChatWriter(ResponseWriter):
         if forced or parser is not None or self.reasoning_parser is not None:
             if delta.finish_reason is not None:
                 body, finish_reason = self.last_delta(choice)
-            elif forced:
+            elif forced and self.reasoning_parser is None:
                 return None
-            else:
-                body = self.pieces_so_far(choice, parser)
+            else:  # a forced call's reasoning streams, its calls wait for the end
+                body = self.pieces_so_far(choice, parser, content=not forced)
                 says_more = delta.logprobs or (self.body.return_token_ids and delta.token_ids)
                 if not body and not says_more:
                     return None
@@ -791,9 +817,11 @@ class ChatWriter(ResponseWriter):
             "stop_reason": delta.stop_reason,
         }
 
-    def pieces_so_far(self, choice: Choice, tool_call_parser: str | None) -> dict[str, Any]:
-        """The reasoning, content and tool calls of an unfinished output not sent yet, less
-        what may begin the reasoning's end tag or a tool call."""
+    def pieces_so_far(
+        self, choice: Choice, tool_call_parser: str | None, content: bool = True
+    ) -> dict[str, Any]:
+        """The reasoning, content (unless held) and tool calls of an unfinished output not sent
+        yet, less what may begin the reasoning's end tag or a tool call."""
         text, body = choice.text, {}
         if self.reasoning_parser is not None:
             split = split_reasoning(
@@ -803,6 +831,8 @@ class ChatWriter(ResponseWriter):
             if piece := (split.reasoning or "")[choice.reasoning_sent :]:
                 body = {"reasoning": piece, "reasoning_content": piece}
                 choice.reasoning_sent += len(piece)
+        if not content:
+            return body
         end = len(text)
         if tool_call_parser is not None:
             end = max(choice.content_sent, content_end(tool_call_parser, text))

@@ -8,11 +8,15 @@
 
 `split_reasoning` takes a partial output too: then the reasoning is what can go out already
 (not what may begin `</think>`) and the content's start is known once `</think>` is.
+`structured_output_start` says where a structured output starts in such an answer: after the
+reasoning, as in vLLM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.server.tool_calls import partial_suffix
 
@@ -28,6 +32,24 @@ class ReasoningSplit:
     def content(self, text: str) -> str | None:
         """The content of `text` (the output split); None while its start is not known."""
         return text[self.content_start :] if self.content_start is not None else None
+
+
+def structured_output_start(tokenizer: Any, prompt_ids: Sequence[int]) -> int | None:
+    """The token after which a structured output holds a reasoning model's answer: `</think>`,
+    when the tokenizer has it as one token and the prompt has not ended the reasoning already
+    (a template that turns thinking off writes both tags); None otherwise (then the grammar
+    holds the answer from its first token, and there is no reasoning to split off)."""
+    start, end = (_token_id(tokenizer, tag) for tag in (THINK_START, THINK_END))
+    if end is None:
+        return None
+    last = {token_id: index for index, token_id in enumerate(prompt_ids)}
+    return None if last.get(end, -1) > last.get(start, -1) else end
+
+
+def _token_id(tokenizer: Any, text: str) -> int | None:
+    token_id = tokenizer.convert_tokens_to_ids(text)
+    known = isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == text
+    return token_id if known else None
 
 
 def split_reasoning(parser: str, text: str, finished: bool, known: int = 0) -> ReasoningSplit:
