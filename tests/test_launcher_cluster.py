@@ -100,6 +100,25 @@ def test_the_chat_template_reaches_every_worker(tmp_path):
         assert worker_parser.parse_args(command).chat_template == expected, plan.name
 
 
+def test_served_model_names_reach_every_worker():
+    """From the flag (several names) and from a cluster file (one name, or a list)."""
+    from_flag = serve_args("--served-model-name", "a", "b", "--both", "1")
+    one_pd = {"roles": {"pd": {"count": 1}}}
+    specs = [
+        (parse_cluster(merge_overrides(DEFAULT_CLUSTER, cluster_overrides(from_flag))), ["a", "b"]),
+        (parse_cluster({"served_model_name": "a", **one_pd}), ["a"]),
+        (parse_cluster({"served_model_name": ["a", "b"], **one_pd}), ["a", "b"]),
+    ]
+    worker_parser = argparse.ArgumentParser()
+    add_worker_parser(worker_parser.add_subparsers())
+    for spec, names in specs:
+        for plan in plan_processes(spec, "cpu", num_gpus=0)[:-1]:
+            command = plan.argv[plan.argv.index("worker") :]
+            assert worker_parser.parse_args(command).served_model_name == names, plan.name
+    unnamed = parse_cluster(DEFAULT_CLUSTER)
+    assert all("--served-model-name" not in plan.argv for plan in plan_processes(unnamed, "cpu", 0))
+
+
 @pytest.mark.parametrize("tool_call_parser", TOOL_CALL_PARSERS)  # each one the workers know
 def test_auto_tool_choice_reaches_every_worker(tool_call_parser):
     args = serve_args(

@@ -643,12 +643,13 @@ def test_mistral_tool_call_parser_keeps_special_tokens(tmp_path, llm):
             assert not answer.choices[0].message.tool_calls
 
 
-def test_api_key_from_the_environment_and_chat_templates(tmp_path, llm, monkeypatch):
-    """A worker with TANDEM_API_KEY in its environment, a --chat-template file and
-    --trust-request-chat-template. Every endpoint but /health, /version and /metrics wants the
-    key: without it or with a wrong one, OpenAI's 401. Messages are rendered with the file's
-    template, or with a request's own: /tokenize gives the tokenizer's tokens of the text each
-    template makes (written here by hand), and the chat answer is the offline engine's greedy
+def test_api_key_from_the_environment_chat_templates_and_model_names(tmp_path, llm, monkeypatch):
+    """A worker with TANDEM_API_KEY in its environment, a --chat-template file,
+    --trust-request-chat-template and two --served-model-name names. Every endpoint but
+    /health, /version and /metrics wants the key: without it or with a wrong one, OpenAI's 401.
+    Messages are rendered with the file's template, or with a request's own: /tokenize gives
+    the tokenizer's tokens of the text each template makes (written here by hand), and the chat
+    answer (asked by the second name, answered by the first) is the offline engine's greedy
     completion of those tokens."""
     template_file = tmp_path / "template.jinja"
     template_file.write_text(
@@ -662,6 +663,7 @@ def test_api_key_from_the_environment_and_chat_templates(tmp_path, llm, monkeypa
     }
     monkeypatch.setenv("TANDEM_API_KEY", "sesame")
     flags = ("--chat-template", str(template_file), "--trust-request-chat-template")
+    flags += ("--served-model-name", "smollm2", "assistant")
     with running_worker(tmp_path, *flags) as worker:
         for path in ("/v1/models", "/tokenize"):
             for headers in ({}, {"Authorization": "Bearer open-sesame"}):
@@ -674,7 +676,9 @@ def test_api_key_from_the_environment_and_chat_templates(tmp_path, llm, monkeypa
             assert httpx.get(worker.url + path).status_code == 200
 
         client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="sesame", max_retries=0)
-        assert [model.id for model in client.models.list()] == [MODEL]
+        assert [model.id for model in client.models.list()] == ["smollm2", "assistant"]
+        with pytest.raises(openai.NotFoundError, match="'smollm2' or 'assistant'"):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
         for template, text in rendered.items():
             expected = llm.tokenizer(text, add_special_tokens=False).input_ids
             extra = {} if template is None else {"chat_template": template}
@@ -685,9 +689,9 @@ def test_api_key_from_the_environment_and_chat_templates(tmp_path, llm, monkeypa
             )
             assert tokenized.json()["tokens"] == expected
             answer = client.chat.completions.create(
-                model=MODEL, messages=FRANCE, temperature=0, max_tokens=6, extra_body=extra
+                model="assistant", messages=FRANCE, temperature=0, max_tokens=6, extra_body=extra
             )
-            assert answer.usage.prompt_tokens == len(expected)
+            assert answer.model == "smollm2" and answer.usage.prompt_tokens == len(expected)
             (reference,) = offline(llm, expected, temperature=0, max_tokens=6)
             assert answer.choices[0].message.content == reference.text
 

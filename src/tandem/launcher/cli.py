@@ -30,6 +30,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--config", metavar="CLUSTER_YAML", help="cluster description file")
     parser.add_argument("--model", help="model to serve (default: smollm2-135m-instruct)")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the model's name(s) in the API, given to every worker (default: --model)",
+    )
     parser.add_argument("--prefill", type=int, metavar="N", help="prefill workers (default 1)")
     parser.add_argument("--decode", type=int, metavar="N", help="decode workers (default 1)")
     parser.add_argument("--both", type=int, metavar="N", help="colocated workers (default 0)")
@@ -105,6 +111,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     flags = {
         "model": args.model,
+        "served_model_name": args.served_model_name,
         "device": args.device,
         "roles.prefill.count": args.prefill,
         "roles.decode.count": args.decode,

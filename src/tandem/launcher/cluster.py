@@ -1,6 +1,7 @@
 """What `tandem serve` starts: the cluster description, from a YAML file and/or flags.
 
     model: smollm2-135m-instruct
+    served_model_name: [smollm2]  # names in the API (default: the model's)
     device: auto                  # auto | cpu | cuda
     roles:
       prefill: {count: 1, engine: {block_size: 16, kv_transport: tcp}}
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tandem import DEFAULT_MODEL
 
@@ -102,6 +103,13 @@ class RouterSpec(_Strict):
 
 class ClusterSpec(_Strict):
     model: str = DEFAULT_MODEL
+    served_model_name: tuple[str, ...] = ()  # every worker's --served-model-name
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_name_or_a_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
     device: Literal["auto", "cpu", "cuda"] = "auto"
     roles: RolesSpec = RolesSpec()
     ports: PortsSpec = PortsSpec()

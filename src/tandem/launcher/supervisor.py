@@ -69,6 +69,8 @@ def plan_processes(
             url = f"http://127.0.0.1:{port}"
             argv = [python, "-m", "tandem.cli", "worker", "--model", spec.model_of(role)]
             argv += ["--role", role, "--host", "127.0.0.1", "--port", str(port)]
+            if spec.served_model_name:
+                argv += ["--served-model-name", *spec.served_model_name]
             argv += ["--kv-port", str(spec.kv_port_base + slot), "--device"]
             if device != "cuda":
                 argv.append(device)

@@ -57,7 +57,8 @@ class ClientError(Exception):
 
 @dataclass(frozen=True)
 class ServerSettings:
-    served_model_name: str
+    served_model_name: str  # the model's name in answers
+    model_aliases: tuple[str, ...] = ()  # more names requests may use
     role: str = "both"
     kv_transport: str | None = None  # tcp | cuda-ipc; None: no KV transfer (a colocated worker)
     kv_host: str | None = None
@@ -132,20 +133,17 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             endpoint.update(host=settings.kv_host, port=client.info.kv_port)
         return endpoint
 
+    served_names = (settings.served_model_name, *settings.model_aliases)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.served_model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "tandem",
-                    "max_model_len": client.info.max_model_len,
-                }
-            ],
+        card = {
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "tandem",
+            "max_model_len": client.info.max_model_len,
         }
+        return {"object": "list", "data": [{"id": name, **card} for name in served_names]}
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -157,10 +155,10 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         return {"released": body.remote_request_id}
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != settings.served_model_name:
+        if model is not None and model not in served_names:
             raise ClientError(
                 f"model {model!r} does not exist; this server serves "
-                f"{settings.served_model_name!r}",
+                f"{' or '.join(map(repr, served_names))}",
                 404,
                 "model",
             )

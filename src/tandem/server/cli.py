@@ -16,7 +16,14 @@ def add_parser(subparsers) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the API (default: --model); with several, answers carry the "
+        "first and requests may use any",
+    )
     parser.add_argument("--api-key", default=api_key_from_env(), help=API_KEY_HELP)
     parser.add_argument(
         "--role",

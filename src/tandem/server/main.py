@@ -89,7 +89,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         kv_config = kv_config_from_args(args)
         client = AsyncEngineClient(config, kv_config)
     settings = ServerSettings(
-        served_model_name=args.served_model_name or config.model,
+        served_model_name=(args.served_model_name or [config.model])[0],
+        model_aliases=tuple((args.served_model_name or [])[1:]),
         role=args.role,
         kv_transport=kv_config.transport if kv_config else None,
         kv_host=kv_config.host if kv_config else None,
