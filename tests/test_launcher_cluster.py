@@ -16,6 +16,7 @@ from tandem.launcher.cluster import (
     parse_cluster,
 )
 from tandem.launcher.supervisor import Supervisor, plan_processes
+from tandem.router.cli import add_parser as add_router_parser
 from tandem.server.cli import add_parser as add_worker_parser
 from tandem.server.reasoning import REASONING_PARSERS
 from tandem.server.tool_calls import TOOL_CALL_PARSERS
@@ -98,6 +99,16 @@ def test_the_chat_template_reaches_every_worker(tmp_path):
     for plan, expected in planned:
         command = plan.argv[plan.argv.index("worker") :]
         assert worker_parser.parse_args(command).chat_template == expected, plan.name
+
+
+def test_allowed_origins_reach_the_router():
+    args = serve_args("--allowed-origins", "https://a.example", "https://b.example")
+    spec = parse_cluster(merge_overrides(DEFAULT_CLUSTER, cluster_overrides(args)))
+    router = plan_processes(spec, "cpu", num_gpus=0)[-1]
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers())
+    parsed = parser.parse_args(router.argv[router.argv.index("router") :])
+    assert parsed.allowed_origins == ["https://a.example", "https://b.example"]
 
 
 def test_served_model_names_reach_every_worker():

@@ -39,7 +39,7 @@ def add_parser(subparsers):
 
 
 def run(args):
-    from tandem.api_keys import api_key_from_env
+    from tandem.access import api_key_from_env
     from tandem.router.fake_worker import serve_fake_worker
 
     return serve_fake_worker(

@@ -379,6 +379,34 @@ def test_the_router_sends_its_api_key_to_workers_that_want_it(make_cluster):
     assert refused.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_browsers_of_the_allowed_origins_are_answered(make_cluster):
+    """--allowed-origins (CORS): a browser's preflight from an allowed origin is answered
+    without the API key (it carries none), the request itself needs the key and its answer
+    names the origin; another origin's preflight is refused, and without the flag no answer
+    allows any origin."""
+    cluster = make_cluster(api_key="sesame", allowed_origins=("https://ui.example",))
+    path = cluster.url + "/v1/completions"
+    preflight = {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization",
+    }
+    allowed = HTTP.options(path, headers={"origin": "https://ui.example", **preflight})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://ui.example"
+    body = {"model": MODEL, "prompt": "a b", "max_tokens": 2}
+    origin = {"origin": "https://ui.example"}
+    assert HTTP.post(path, json=body, headers=origin).status_code == 401
+    answer = HTTP.post(path, json=body, headers={**origin, "Authorization": "Bearer sesame"})
+    assert answer.json()["choices"][0]["text"] == " a b"
+    assert answer.headers["access-control-allow-origin"] == "https://ui.example"
+    other = HTTP.options(path, headers={"origin": "https://elsewhere.example", **preflight})
+    assert other.status_code == 400
+
+    closed = make_cluster()
+    answer = HTTP.post(closed.url + "/v1/completions", json=body, headers=origin)
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+
 def test_a_refusing_or_dead_prefill_worker_is_retried_on_another(make_cluster):
     cluster = make_cluster(prefill=2, prefill_policy="round-robin", health_interval_s=30)
     refusing, healthy = cluster.prefill

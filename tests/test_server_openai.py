@@ -696,6 +696,22 @@ def test_api_key_from_the_environment_chat_templates_and_model_names(tmp_path, l
             assert answer.choices[0].message.content == reference.text
 
 
+def test_a_worker_answers_browsers_of_its_allowed_origins():
+    """--allowed-origins on a worker (the app over a stand-in engine client): a preflight from
+    an allowed origin is answered, before the API key is asked for; another origin's is not."""
+    settings = ServerSettings(
+        served_model_name=MODEL, api_key="sesame", allowed_origins=("https://ui.example",)
+    )
+    app = TestClient(build_app(SimpleNamespace(), settings))
+    preflight = {"access-control-request-method": "POST"}
+    allowed = app.options("/v1/completions", headers={"origin": "https://ui.example", **preflight})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://ui.example"
+    other = app.options("/v1/completions", headers={"origin": "https://x.example", **preflight})
+    assert other.status_code == 400
+    assert app.post("/v1/completions", json={"prompt": "hi"}).status_code == 401
+
+
 def test_a_model_without_a_chat_template_is_told_what_to_do(tmp_path):
     """Messages for a model whose tokenizer has no chat template get a 400 that names the flag
     (the app over a stand-in engine client: the check comes before any engine work), and

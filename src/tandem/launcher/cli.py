@@ -81,6 +81,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "/health, /version and /metrics (given to them in the environment variable "
         "TANDEM_API_KEY, which they also read when this flag is left out)",
     )
+    parser.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        help="the router answers browsers' cross-origin (CORS) requests from these origins, or "
+        "* for any (default: none)",
+    )
     parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="the router's port (default 8000)")
     parser.add_argument(
@@ -124,6 +131,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         **{f"roles.{role}.engine.reasoning_parser": args.reasoning_parser for role in WORKER_ROLES},
         **{f"roles.{role}.engine.chat_template": args.chat_template for role in WORKER_ROLES},
         "router.host": args.host,
+        "router.allowed_origins": args.allowed_origins,
         "ports.router": args.port,
         "ports.workers": args.worker_port_base,
         "ports.kv": args.kv_port_base,
@@ -151,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
     if args.api_key:
-        from tandem.api_keys import API_KEY_ENV
+        from tandem.access import API_KEY_ENV
 
         os.environ[API_KEY_ENV] = args.api_key  # the children's, kept off their command lines
     plans = plan_processes(spec, device, num_gpus)

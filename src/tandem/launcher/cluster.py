@@ -96,6 +96,7 @@ class PortsSpec(_Strict):
 
 class RouterSpec(_Strict):
     host: str = "127.0.0.1"
+    allowed_origins: tuple[str, ...] = ()  # browser origins answered (CORS)
     prefill_policy: Literal["prefix-aware", "least-outstanding", "round-robin"] | None = None
     decode_policy: Literal["least-outstanding", "round-robin"] | None = None
     extra_args: tuple[str, ...] = ()

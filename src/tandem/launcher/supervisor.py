@@ -97,6 +97,8 @@ def plan_processes(
         argv += ["--prefill-policy", router.prefill_policy]
     if router.decode_policy:
         argv += ["--decode-policy", router.decode_policy]
+    if router.allowed_origins:
+        argv += ["--allowed-origins", *router.allowed_origins]
     if device == "cuda":  # the workers' loops keep awake on GPUs: the router's does as long
         from tandem.engine.config import BUSY_POLL_CUDA_S
 

@@ -4,7 +4,7 @@ The two proxied endpoints (`/v1/completions`, `/v1/chat/completions`) are served
 layer in front of FastAPI (`ProxiedRoutes`); the rest are FastAPI routes. `/tokenize` and
 `/detokenize` go to any worker (all serve the same model).
 
-With an API key (`tandem.api_keys`), every endpoint needs `Authorization: Bearer <key>` but
+With an API key (`tandem.access`), every endpoint needs `Authorization: Bearer <key>` but
 `/health`, `/version` and `/metrics` (for probes and scrapers) and the registration endpoints,
 which need the cluster token instead and are refused outright when the router has none. The
 router sends its key to the workers too (they share it).
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tandem
-from tandem.api_keys import OPEN_PATHS, bearer_matches, guard
+from tandem.access import OPEN_PATHS, bearer_matches, guard
 from tandem.router.config import Role, RouterConfig
 from tandem.router.metrics import RouterMetrics
 from tandem.router.proxy import Proxy
@@ -133,7 +133,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.proxy = proxy
     app.state.metrics = metrics
     app.add_middleware(ProxiedRoutes, proxy=proxy)
-    guard(app, config.api_key, OPEN_PATHS | REGISTRATION_PATHS)
+    guard(app, config.api_key, OPEN_PATHS | REGISTRATION_PATHS, config.allowed_origins)
 
     def refuse_without_cluster_token(request: Request) -> Response | None:
         if config.cluster_token is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from tandem.api_keys import API_KEY_HELP, api_key_from_env
+from tandem.access import ALLOWED_ORIGINS_HELP, API_KEY_HELP, api_key_from_env
 from tandem.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 
 DEFAULTS = RouterConfig()
@@ -68,6 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--api-key",
         default=api_key_from_env(),
         help=API_KEY_HELP + "; sent to the workers too, which share it",
+    )
+    security.add_argument(
+        "--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help=ALLOWED_ORIGINS_HELP
     )
     security.add_argument(
         "--cluster-token",
@@ -133,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         api_key=args.api_key,
+        allowed_origins=tuple(args.allowed_origins),
         cluster_token=args.cluster_token or None,
         connect_timeout_s=args.connect_timeout,
         prefill_timeout_s=args.prefill_timeout,

@@ -34,6 +34,7 @@ class RouterConfig:
     prefill_policy: str = "prefix-aware"
     decode_policy: str = "least-outstanding"
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # browser origins answered (CORS)
     cluster_token: str | None = None
     # Upstream calls: connecting, waiting for the prefill answer, and the longest silence
     # tolerated on a decode or plain leg.

@@ -38,7 +38,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.api_keys import OPEN_PATHS, api_key_from_env, guard
+from tandem.access import OPEN_PATHS, api_key_from_env, guard
 
 EOS_WORD = "STOP"
 DEFAULT_MAX_TOKENS = 16

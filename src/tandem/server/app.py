@@ -3,7 +3,7 @@ extensions (kv_transfer_params in and out, `POST /v1/kv/release`).
 
 Every error a client can cause is an OpenAI-style error object with a 4xx status; a 5xx means a
 bug. A client that disconnects aborts its request in the engine at once. With an API key, every
-endpoint but /health, /version and /metrics needs it (`tandem.api_keys`).
+endpoint but /health, /version and /metrics needs it (`tandem.access`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tandem
-from tandem.api_keys import guard
+from tandem.access import guard
 from tandem.engine.processor import SequenceDelta
 from tandem.server.engine_client import AsyncEngineClient, QueueFullError
 from tandem.server.metrics import WorkerMetrics
@@ -69,6 +69,7 @@ class ServerSettings:
     chat_template: str | None = None  # used instead of the model's
     trust_request_chat_template: bool = False  # a request may bring its own template
     api_key: str | None = None  # wanted as a bearer token on all but the open endpoints
+    allowed_origins: tuple[str, ...] = ()  # browser origins answered (CORS)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
 
 def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tandem worker", docs_url=None, redoc_url=None)
-    guard(app, settings.api_key)
+    guard(app, settings.api_key, allowed_origins=settings.allowed_origins)
     metrics = WorkerMetrics(settings.served_model_name)
     client.stats_listener = metrics.update_from_stats
     app.state.client = client

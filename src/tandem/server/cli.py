@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.api_keys import API_KEY_HELP, api_key_from_env
+from tandem.access import ALLOWED_ORIGINS_HELP, API_KEY_HELP, api_key_from_env
 from tandem.engine.cli import add_engine_arguments, engine_config_from_args
 from tandem.server.reasoning import REASONING_PARSERS
 from tandem.server.tool_calls import TOOL_CALL_PARSERS
@@ -25,6 +25,9 @@ def add_parser(subparsers) -> None:
         "first and requests may use any",
     )
     parser.add_argument("--api-key", default=api_key_from_env(), help=API_KEY_HELP)
+    parser.add_argument(
+        "--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help=ALLOWED_ORIGINS_HELP
+    )
     parser.add_argument(
         "--role",
         default="both",

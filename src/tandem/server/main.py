@@ -100,6 +100,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
         trust_request_chat_template=args.trust_request_chat_template,
         api_key=args.api_key,
+        allowed_origins=tuple(args.allowed_origins),
     )
     started = {"ok": False}
 

@@ -1,9 +1,10 @@
-"""API keys of the HTTP servers (the router and the workers): where a key comes from, and the
-ASGI guard that refuses a request without it.
+"""Who may call the HTTP servers (the router and the workers): API keys and browser origins.
 
 A server given a key (`--api-key`, else the environment variable `TANDEM_API_KEY`, as vLLM reads
 `VLLM_API_KEY`) wants `Authorization: Bearer <key>` on every endpoint but its open ones (health,
-version and metrics: for probes and scrapers), and answers OpenAI's 401 without it.
+version and metrics: for probes and scrapers), and answers OpenAI's 401 without it. A server
+given `--allowed-origins` answers browsers' cross-origin (CORS) requests from those origins;
+without it, none (vLLM allows every origin unless told otherwise).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Collection
 
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -22,6 +24,9 @@ OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 API_KEY_HELP = (
     "require 'Authorization: Bearer KEY' on every endpoint but /health, /version and /metrics "
     f"(default: the environment variable {API_KEY_ENV}, which keeps the key out of process lists)"
+)
+ALLOWED_ORIGINS_HELP = (
+    "answer browsers' cross-origin (CORS) requests from these origins, or * for any (default: none)"
 )
 
 
@@ -63,7 +68,19 @@ class RequireApiKey:
         await refusal(scope, receive, send)
 
 
-def guard(app: Starlette, api_key: str | None, open_paths: Collection[str] = OPEN_PATHS) -> None:
-    """Make `app` want `api_key` on all but `open_paths`; with no key, leave it open."""
+def guard(
+    app: Starlette,
+    api_key: str | None,
+    open_paths: Collection[str] = OPEN_PATHS,
+    allowed_origins: Collection[str] = (),
+) -> None:
+    """Make `app` want `api_key` on all but `open_paths` (with no key, leave it open), and
+    answer cross-origin requests from `allowed_origins` (a layer outside the key's: a
+    browser's preflight request carries no key)."""
     if api_key:
         app.add_middleware(RequireApiKey, api_key=api_key, open_paths=open_paths)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+            allow_headers=["*"],
+        )  # fmt: skip
