@@ -880,6 +880,17 @@ def test_metrics_count_one_streamed_request_exactly(worker, client):
     labels = f'model_name="{MODEL}"'
     assert delta(f'tandem_requests_total{{finish_reason="length",{labels}}}') == 1
     assert delta(f'tandem_requests_total{{finish_reason="abort",{labels}}}') == 0
+    # vLLM's names for the same counts, and its KV cache usage from the block gauges
+    assert delta("vllm:prompt_tokens_total") == usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total") == 6
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 5
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta(f'vllm:request_success_total{{finished_reason="length",{labels}}}') == 1
+    for name in ("requests_running", "requests_waiting"):
+        assert after[f"vllm:num_{name}"] == after[f"tandem_{name}"]
+    used, total = after["tandem_kv_cache_blocks_used"], after["tandem_kv_cache_blocks_total"]
+    assert after["vllm:kv_cache_usage_perc"] == used / total
 
 
 def test_prefix_cache_hits_show_in_usage_and_metrics(worker, client):

@@ -1,14 +1,18 @@
 """The worker's Prometheus metrics, in a registry of its own (no process-global state).
 
 Gauges mirror the engine core's latest stats; histograms and counters are fed by the HTTP layer
-as responses progress.
+as responses progress. The ones vLLM has are also shown under vLLM's names (`vllm:...`, label
+`model_name`), for the dashboards and routers that read those: copied at each scrape, so
+responses pay nothing for them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
@@ -37,6 +41,50 @@ STAT_GAUGES = {
         "Handoffs whose first decode step ran before their first token was announced (cuda-ipc)",
     ),
 }
+
+
+# tandem's metric -> vLLM's name for the same (label renames beside)
+VLLM_NAMES = {
+    "tandem_requests_running": "vllm:num_requests_running",
+    "tandem_requests_waiting": "vllm:num_requests_waiting",
+    "tandem_prompt_tokens": "vllm:prompt_tokens",
+    "tandem_generation_tokens": "vllm:generation_tokens",
+    "tandem_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "tandem_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "tandem_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "tandem_requests": "vllm:request_success",
+}
+VLLM_LABELS = {"finish_reason": "finished_reason"}
+
+
+class VllmNames:
+    """A collector that shows some of a registry's metrics again under vLLM's names, and
+    vLLM's KV cache usage (the fraction of blocks in use) from the block gauges."""
+
+    def __init__(self, source: CollectorRegistry, model_name: str) -> None:
+        self.source = source
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        values = {}
+        for family in self.source.collect():
+            if family.name in ("tandem_kv_cache_blocks_used", "tandem_kv_cache_blocks_total"):
+                values[family.name] = sum(sample.value for sample in family.samples)
+            if (name := VLLM_NAMES.get(family.name)) is None:
+                continue
+            renamed = Metric(name, family.documentation, family.type)
+            for sample in family.samples:
+                labels = {VLLM_LABELS.get(key, key): value for key, value in sample.labels.items()}
+                suffix = sample.name[len(family.name) :]
+                renamed.samples.append(sample._replace(name=name + suffix, labels=labels))
+            yield renamed
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV cache usage (1 means full)", labels=["model_name"]
+        )
+        total = values.get("tandem_kv_cache_blocks_total")
+        used = values.get("tandem_kv_cache_blocks_used", 0.0)
+        usage.add_metric([self.model_name], used / total if total else 0.0)
+        yield usage
 
 
 class WorkerMetrics:
@@ -94,6 +142,8 @@ class WorkerMetrics:
             labels + ["kind"],
             registry=self.registry,
         )
+        self.vllm_names = CollectorRegistry()
+        self.vllm_names.register(VllmNames(self.registry, model_name))
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
         """Apply one stats report of the engine core (each report is seen exactly once)."""
@@ -109,4 +159,4 @@ class WorkerMetrics:
             self.kv_failures.labels(self.model_name, kind).inc(count)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.vllm_names)
