@@ -18,8 +18,8 @@ from tandem.engine.sampling_params import SamplingParams
 BLOCK_SIZE = 4
 
 
-def make_request(request_id: str, prompt: list[int]) -> Request:
-    return Request(request_id, list(prompt), SamplingParams(max_tokens=8))
+def make_request(request_id: str, prompt: list[int], cache_salt: str | None = None) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=8, cache_salt=cache_salt))
 
 
 def run_prompt(kv: KVCacheManager, request: Request) -> tuple[int, list[int]]:
@@ -132,6 +132,20 @@ def test_same_prefix_gets_the_same_blocks():
     kv.free("a")
     kv.free("b")
     assert kv.num_used_blocks == 0
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
+    """Prompts of one salt hit each other's blocks (two full ones here), never those of
+    another salt nor of unsalted prompts, whose blocks stay theirs."""
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK_SIZE)
+    prompt = list(range(1, 11))
+    hits = [
+        run_prompt(kv, make_request(str(index), prompt, salt))[0]
+        for index, salt in enumerate(["tenant a", "tenant a", "tenant b", None, None, "tenant b"])
+    ]
+    assert hits == [0, 8, 0, 0, 8, 8]
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
 
 
 def test_different_block_in_the_middle_breaks_the_chain():

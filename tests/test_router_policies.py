@@ -31,6 +31,9 @@ def test_prefix_hashes_chain_over_blocks():
     assert prefix_hashes("zzzzabcd", 4)[1] != prefix_hashes("abcdabcd", 4)[1]
     assert prefix_hashes((1, 2, 3, 4, 5), 2)[:2] == prefix_hashes((1, 2, 3, 4, 6), 2)[:2]
     assert prefix_hashes(None, 4) == [] and prefix_hashes("", 4) == []
+    salted = prefix_hashes("abcdefgh", 4, "tenant a")  # a cache salt starts another chain
+    assert salted == prefix_hashes("abcdefgh", 4, "tenant a")
+    assert not set(salted) & set(prefix_hashes("abcdefgh", 4) + prefix_hashes("abcdefgh", 4, "b"))
 
 
 def test_prompt_units_read_completions_and_chat():

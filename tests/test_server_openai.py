@@ -907,6 +907,21 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(worker, client):
     assert rate_before < rate_after <= 1
 
 
+def test_a_cache_salt_keeps_prefix_cache_hits_within_it(worker, client):
+    """vLLM's cache_salt: the same prompt hits the cache only after a request with the same
+    salt (or, unsalted, an unsalted one): 2 full blocks of 16 tokens of a 40-token prompt."""
+    prompt = list(range(6000, 6040))  # token ids that no other test sends
+    cached = [
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, extra_body=salt
+        ).usage.prompt_tokens_details.cached_tokens
+        for salt in ({"cache_salt": "a"}, {"cache_salt": "a"}, {"cache_salt": "b"}, {}, {})
+    ]
+    assert cached == [0, 32, 0, 0, 32]
+    empty = httpx.post(worker.url + "/v1/completions", json={"prompt": "hi", "cache_salt": ""})
+    assert empty.status_code == 400 and "cache_salt" in empty.text
+
+
 # -- client disconnects ----------------------------------------------------------------------------
 
 LONG_REQUEST = {"prompt": FRUITS, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}

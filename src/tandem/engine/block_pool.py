@@ -10,14 +10,25 @@ Every block is in exactly one of two states:
 freeing appends at the back. A full block's hash chains its parent's hash with its token ids, so a
 hash names the whole prefix up to and including that block:
 
-    hash(block i) = hash((hash(block i-1), tokens of block i))     hash(block -1) = None
+    hash(block i) = hash((hash(block i-1), tokens of block i))     hash(block -1) = salt's
+
+where the salt's hash is None for a request without a cache salt.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+
+def salt_hash(salt: str | None) -> int | None:
+    """The root of a request's hash chain (the parent of its first block): None without a
+    salt, else a hash of the salt, so salted prompts name other blocks than unsalted ones."""
+    if salt is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:

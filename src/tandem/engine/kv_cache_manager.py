@@ -11,7 +11,7 @@ hits entirely still computes one token and gets logits to sample from.
 
 from __future__ import annotations
 
-from tandem.engine.block_pool import Block, BlockPool, hash_full_blocks
+from tandem.engine.block_pool import Block, BlockPool, hash_full_blocks, salt_hash
 from tandem.engine.request import Request
 
 
@@ -53,8 +53,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         token_ids = request.all_token_ids[: request.num_tokens - 1]
+        root = salt_hash(request.sampling_params.cache_salt)
         hits: list[Block] = []
-        for block_hash in hash_full_blocks(token_ids, self.block_size):
+        for block_hash in hash_full_blocks(token_ids, self.block_size, root):
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -94,7 +95,7 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= len(hashes):
             return
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else salt_hash(request.sampling_params.cache_salt)
         token_ids = request.all_token_ids[: num_full * self.block_size]
         new_hashes = hash_full_blocks(token_ids, self.block_size, parent, start_block=len(hashes))
         blocks = self.req_blocks[request.request_id]

@@ -46,6 +46,9 @@ class SamplingParams:
     # model's end of reasoning: the reasoning before it is free).
     structured_output: StructuredOutput | None = None
     structured_output_after: int | None = None
+    # The prefix cache's namespace (vLLM's cache_salt): a request reuses only the KV of
+    # requests with the same salt (one tenant's prompts stay out of another's timing).
+    cache_salt: str | None = None
     # Whether sampling needs the tokens the request has seen so far (set from the penalties).
     penalizes_history: bool = field(init=False, repr=False, compare=False)
 
@@ -87,6 +90,7 @@ class SamplingParams:
                 all(-100 <= bias <= 100 for bias in self.logit_bias.values()),
                 "logit_bias values must be in [-100, 100]",
             ),
+            (self.cache_salt is None or self.cache_salt != "", "cache_salt must not be empty"),
         ]
         for ok, message in checks:
             if not ok:

@@ -56,12 +56,15 @@ def prompt_units(endpoint: str, body: dict[str, Any]) -> str | tuple[int, ...] |
     return None
 
 
-def prefix_hashes(units: str | tuple[int, ...] | None, block_len: int) -> list[int]:
-    """The chained block hashes of a prompt; the last block may be shorter than `block_len`."""
+def prefix_hashes(
+    units: str | tuple[int, ...] | None, block_len: int, salt: object = None
+) -> list[int]:
+    """The chained block hashes of a prompt; the last block may be shorter than `block_len`.
+    A request's cache salt starts the chain (the workers' caches keep salts apart too)."""
     if not units:
         return []
     hashes = []
-    chained = 0
+    chained = hash(("salt", str(salt))) if salt is not None else 0
     for start in range(0, len(units), block_len):
         chained = hash((chained, units[start : start + block_len]))
         hashes.append(chained)

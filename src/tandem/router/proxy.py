@@ -498,7 +498,7 @@ class Proxy:
         if not self.prefill_policy.uses_prefix or len(self.pool.available(("prefill",))) < 2:
             return []
         units = prompt_units(ctx.endpoint, ctx.body)
-        return prefix_hashes(units, self.config.prefix_block_chars)
+        return prefix_hashes(units, self.config.prefix_block_chars, ctx.body.get("cache_salt"))
 
     async def _disaggregated(self, ctx: RequestContext) -> Flow:
         prefix = self._prefill_prefix(ctx)
