@@ -80,7 +80,7 @@ def guard(
     if api_key:
         app.add_middleware(RequireApiKey, api_key=api_key, open_paths=open_paths)
     if allowed_origins:
+        origins = list(allowed_origins)
         app.add_middleware(
-            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-            allow_headers=["*"],
-        )  # fmt: skip
+            CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"]
+        )

@@ -105,16 +105,15 @@ class RouterSpec(_Strict):
 class ClusterSpec(_Strict):
     model: str = DEFAULT_MODEL
     served_model_name: tuple[str, ...] = ()  # every worker's --served-model-name
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    roles: RolesSpec = RolesSpec()
+    ports: PortsSpec = PortsSpec()
+    router: RouterSpec = RouterSpec()
 
     @field_validator("served_model_name", mode="before")
     @classmethod
     def _one_name_or_a_list(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value
-
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    roles: RolesSpec = RolesSpec()
-    ports: PortsSpec = PortsSpec()
-    router: RouterSpec = RouterSpec()
 
     def model_of(self, role: str) -> str:
         return getattr(self.roles, role).model or self.model
