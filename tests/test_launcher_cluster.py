@@ -101,6 +101,30 @@ def test_the_chat_template_reaches_every_worker(tmp_path):
         assert worker_parser.parse_args(command).chat_template == expected, plan.name
 
 
+def test_engine_flags_reach_every_worker():
+    """`tandem serve --max-model-len ...` as each worker's own flag (over a cluster file's),
+    which the worker's parser takes; a value the worker would refuse is refused first."""
+    flags = ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "32"]
+    flags += ["--max-num-batched-tokens", "1024", "--gpu-memory-utilization", "0.8"]
+    flags += ["--block-size", "32", "--num-kv-blocks", "500"]
+    args = serve_args(*flags, "--both", "1")
+    data = yaml.safe_load(EXAMPLE.read_text())  # its own max_num_seqs and block_size
+    spec = parse_cluster(merge_overrides(data, cluster_overrides(args)))
+    worker_parser = argparse.ArgumentParser()
+    add_worker_parser(worker_parser.add_subparsers())
+    expected = dict(
+        dtype="bfloat16", max_model_len=4096, max_num_seqs=32, max_num_batched_tokens=1024,
+        gpu_memory_utilization=0.8, block_size=32, num_kv_blocks=500,
+    )  # fmt: skip
+    workers = plan_processes(spec, "cpu", num_gpus=0)[:-1]
+    assert [plan.name for plan in workers] == ["prefill-0", "decode-0", "both-0"]
+    for plan in workers:
+        parsed = vars(worker_parser.parse_args(plan.argv[plan.argv.index("worker") :]))
+        assert {key: parsed[key] for key in expected} == expected, plan.name
+    assert run(serve_args("--block-size", "0")) == 2
+    assert run(serve_args("--dtype", "float8")) == 2
+
+
 def test_allowed_origins_reach_the_router():
     args = serve_args("--allowed-origins", "https://a.example", "https://b.example")
     spec = parse_cluster(merge_overrides(DEFAULT_CLUSTER, cluster_overrides(args)))

@@ -13,6 +13,18 @@ import os
 import sys
 from typing import Any
 
+# Engine flags `tandem serve` gives every worker: flag -> (type, help); each is an EngineSettings
+# field of every role (a cluster file can set them per role instead).
+ENGINE_FLAGS: dict[str, tuple[type, str]] = {
+    "--dtype": (str, "auto, float32, bfloat16 or float16"),
+    "--max-model-len": (int, "the context length (default: the model's)"),
+    "--max-num-seqs": (int, "sequences in one batch"),
+    "--max-num-batched-tokens": (int, "tokens in one step"),
+    "--gpu-memory-utilization": (float, "the fraction of GPU memory a worker may use"),
+    "--block-size": (int, "tokens per KV block"),
+    "--num-kv-blocks": (int, "KV blocks per worker (default: what the memory allows)"),
+}
+
 DEFAULT_CLUSTER: dict[str, Any] = {
     "roles": {
         "prefill": {"count": 1, "engine": {"kv_transport": "auto"}},
@@ -88,6 +100,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the router answers browsers' cross-origin (CORS) requests from these origins, or "
         "* for any (default: none)",
     )
+    engine = parser.add_argument_group("engine (every worker; worker defaults when left out)")
+    for flag, (kind, text) in ENGINE_FLAGS.items():
+        engine.add_argument(flag, type=kind, help=text)
     parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="the router's port (default 8000)")
     parser.add_argument(
@@ -130,6 +145,11 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         **{f"roles.{role}.engine.tool_call_parser": parser for role in WORKER_ROLES},
         **{f"roles.{role}.engine.reasoning_parser": args.reasoning_parser for role in WORKER_ROLES},
         **{f"roles.{role}.engine.chat_template": args.chat_template for role in WORKER_ROLES},
+        **{
+            f"roles.{role}.engine.{field}": getattr(args, field)
+            for field in (flag[2:].replace("-", "_") for flag in ENGINE_FLAGS)
+            for role in WORKER_ROLES
+        },
         "router.host": args.host,
         "router.allowed_origins": args.allowed_origins,
         "ports.router": args.port,
