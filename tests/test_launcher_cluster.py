@@ -106,7 +106,7 @@ def test_engine_flags_reach_every_worker():
     which the worker's parser takes; a value the worker would refuse is refused first."""
     flags = ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "32"]
     flags += ["--max-num-batched-tokens", "1024", "--gpu-memory-utilization", "0.8"]
-    flags += ["--block-size", "32", "--num-kv-blocks", "500"]
+    flags += ["--block-size", "32", "--num-kv-blocks", "500", "--scheduling-policy", "priority"]
     args = serve_args(*flags, "--both", "1")
     data = yaml.safe_load(EXAMPLE.read_text())  # its own max_num_seqs and block_size
     spec = parse_cluster(merge_overrides(data, cluster_overrides(args)))
@@ -115,6 +115,7 @@ def test_engine_flags_reach_every_worker():
     expected = dict(
         dtype="bfloat16", max_model_len=4096, max_num_seqs=32, max_num_batched_tokens=1024,
         gpu_memory_utilization=0.8, block_size=32, num_kv_blocks=500,
+        scheduling_policy="priority",
     )  # fmt: skip
     workers = plan_processes(spec, "cpu", num_gpus=0)[:-1]
     assert [plan.name for plan in workers] == ["prefill-0", "decode-0", "both-0"]

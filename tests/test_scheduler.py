@@ -90,8 +90,9 @@ class Harness:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         connector: KVConnector | None = None,
+        policy: str = "fcfs",
     ) -> None:
-        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
+        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy=policy)
         self.kv = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.config, self.kv, connector)
         self.model = FakeModel(num_blocks, block_size)
@@ -282,6 +283,39 @@ def test_preempted_requests_return_to_the_front_in_their_order():
     assert [r.request_id for r in harness.scheduler.waiting] == ["c", "d", "e"]
     harness.run_until_idle()
     assert harness.finish_reasons == {name: "length" for name in "abcde"}
+    assert harness.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"),
+    [("fcfs", ["low", "high", "mid", "high2"]), ("priority", ["high", "high2", "mid", "low"])],
+)
+def test_the_policy_orders_waiting_requests(policy, order):
+    """One sequence at a time: fcfs admits in arrival order, priority by priority (lower
+    first), then arrival."""
+    harness = Harness(16, 4, max_num_seqs=1, max_num_batched_tokens=64, policy=policy)
+    for name, priority in (("low", 5), ("high", -1), ("mid", 0), ("high2", -1)):
+        harness.add(name, [1, 2, 3], max_tokens=1, priority=priority)
+    assert [plan(harness.step())[0][0] for _ in range(4)] == order
+    assert harness.finish_reasons == dict.fromkeys(order, "length")
+
+
+def test_the_priority_policy_preempts_the_least_urgent_running_request():
+    """As in the fcfs test above, four requests fill the blocks and each decode then needs one
+    more: under priority the least urgent (a) goes first, its blocks serve the two most urgent
+    (b, d), and c preempts itself; they wait in order of priority, and all end as alone."""
+    harness = Harness(8, 2, max_num_seqs=8, max_num_batched_tokens=64, policy="priority")
+    for name, priority in (("a", 3), ("b", 0), ("c", 2), ("d", 1)):
+        harness.add(name, [ord(name), 1, 2, 3], max_tokens=8, ignore_eos=True, priority=priority)
+    assert sorted(plan(harness.step())) == [(name, 0, 4, True) for name in "abcd"]
+    assert plan(harness.step()) == [("b", 4, 1, True), ("d", 4, 1, True)]
+    assert [r.request_id for r in harness.scheduler.waiting] == ["c", "a"]
+    harness.run_until_idle()
+    for request in harness.requests.values():
+        expected = reference_generation(request.prompt_token_ids, request.sampling_params)
+        assert (harness.tokens[request.request_id], harness.finish_reasons[request.request_id]) == (
+            expected
+        )
     assert harness.kv.num_used_blocks == 0
 
 

@@ -1102,6 +1102,7 @@ BAD_REQUESTS = [
         400,
         "chat_template",
     ),
+    ("priority-without-policy", COMPLETIONS, {"prompt": "hi", "priority": 1}, 400, "priority"),
     (
         "pd-without-transport",
         COMPLETIONS,

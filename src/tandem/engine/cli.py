@@ -23,6 +23,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-waiting", type=int, default=1024)
+    group.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=("fcfs", "priority"),
+        help="priority: waiting requests go by their `priority` (lower first), and the least "
+        "urgent running request is preempted first; fcfs: arrival order",
+    )
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument(
@@ -62,6 +69,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         max_waiting=args.max_waiting,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,

@@ -33,6 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     max_waiting: int = 1024
+    scheduling_policy: str = "fcfs"  # fcfs | priority (requests' `priority`, lower first)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     # Batches of up to this many tokens (capped at max_num_batched_tokens) that the decode

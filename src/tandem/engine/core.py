@@ -73,7 +73,12 @@ class EngineCore:
         )
         self.connector = connector_factory(self) if connector_factory else NoKVConnector()
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.max_waiting,
+                config.scheduling_policy,
+            ),
             self.kv_manager,
             self.connector,
         )

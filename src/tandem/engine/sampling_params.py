@@ -49,6 +49,8 @@ class SamplingParams:
     # The prefix cache's namespace (vLLM's cache_salt): a request reuses only the KV of
     # requests with the same salt (one tenant's prompts stay out of another's timing).
     cache_salt: str | None = None
+    # Under the priority scheduling policy, lower goes first (vLLM's priority).
+    priority: int = 0
     # Whether sampling needs the tokens the request has seen so far (set from the penalties).
     penalizes_history: bool = field(init=False, repr=False, compare=False)
 

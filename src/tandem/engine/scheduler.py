@@ -4,7 +4,9 @@ Each step spends a token budget (`max_num_batched_tokens`) first on running requ
 then on waiting ones. A request asks for `num_tokens - num_computed_tokens` tokens; a long prompt
 gets what is left of the budget and continues next step (chunked prefill). When blocks run out,
 the newest running request is preempted: its blocks are freed and it goes back to the front of the
-waiting queue, to be recomputed (its prefix blocks usually still hit the cache).
+waiting queue, to be recomputed (its prefix blocks usually still hit the cache). Under the
+priority policy both queues go in order of priority (`WaitingQueue`): the most urgent running
+request is scheduled first, the least urgent preempted first.
 
 With a KV connector (PD), a waiting request may have its prompt's KV elsewhere: it gets its
 blocks, waits in WAITING_FOR_REMOTE_KV (outside the batch) until the connector reports the load,
@@ -20,7 +22,6 @@ held back until the announcement proper brings the first token, which is output 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from tandem.engine.outputs import (
     TokenLogprobs,
 )
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.waiting_queue import WaitingQueue, urgency
 from tandem.kv.base import KVConnector, NoKVConnector, is_pending_handoff
 
 FIRST_TOKEN_STAND_IN = 0  # a run-ahead handoff's first token until the prefill announces it
@@ -54,6 +56,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024  # admission limit: the server answers 503 beyond it
+    policy: str = "fcfs"  # which waiting request goes first, and which running one is preempted
 
 
 class Scheduler:
@@ -67,7 +70,7 @@ class Scheduler:
         self.kv = kv_manager
         self.connector = connector or NoKVConnector()
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
         self.held_for_remote: set[str] = set()  # finished, blocks kept for a remote reader
@@ -112,6 +115,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
+        if self.waiting.by_priority:  # the most urgent first, the least urgent preempted first
+            self.running.sort(key=urgency)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -121,7 +126,8 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._victim(index)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -254,6 +260,16 @@ class Scheduler:
             first_token_on_device=start == request.num_prompt_tokens
             and request.request_id in self.ahead_of_first_token,
         )
+
+    def _victim(self, index: int) -> Request:
+        """The running request to preempt for the one at `index`: the last one, the newest
+        (fcfs) or the least urgent (priority), or the one at `index` itself when no other is
+        left to schedule in this step; never a handoff running ahead of its first token while
+        another can go (it cannot be recomputed)."""
+        for request in reversed(self.running[index + 1 :]):
+            if request.request_id not in self.ahead_of_first_token:
+                return request
+        return self.running[index]
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)

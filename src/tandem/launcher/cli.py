@@ -23,6 +23,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "--gpu-memory-utilization": (float, "the fraction of GPU memory a worker may use"),
     "--block-size": (int, "tokens per KV block"),
     "--num-kv-blocks": (int, "KV blocks per worker (default: what the memory allows)"),
+    "--scheduling-policy": (str, "fcfs or priority (requests' priority, lower first)"),
 }
 
 DEFAULT_CLUSTER: dict[str, Any] = {

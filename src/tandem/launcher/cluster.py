@@ -54,6 +54,7 @@ class EngineSettings(_Strict):
     num_kv_blocks: int | None = Field(default=None, gt=0)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    scheduling_policy: Literal["fcfs", "priority"] | None = None
     kv_transport: Literal["auto", "tcp", "cuda-ipc"] | None = None  # auto: cuda-ipc on GPUs
     # tool_choice "auto" answered with calls found in this format (--enable-auto-tool-choice)
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None

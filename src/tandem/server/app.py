@@ -70,6 +70,7 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # a request may bring its own template
     api_key: str | None = None  # wanted as a bearer token on all but the open endpoints
     allowed_origins: tuple[str, ...] = ()  # browser origins answered (CORS)
+    scheduling_policy: str = "fcfs"  # the engine's: a request's priority counts under "priority"
 
 
 @dataclass
@@ -199,6 +200,12 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
 
     def check_common(body: SamplingFields) -> None:
         check_model(body.model)
+        if body.priority and settings.scheduling_policy != "priority":
+            raise ClientError(
+                "priority needs a worker started with --scheduling-policy priority; send "
+                "priority 0 (or none)",
+                param="priority",
+            )
         params = body.kv_transfer_params or {}
         if params.get("do_remote_decode") or params.get("do_remote_prefill"):
             if settings.kv_transport is None:

@@ -101,6 +101,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         api_key=args.api_key,
         allowed_origins=tuple(args.allowed_origins),
+        scheduling_policy=config.scheduling_policy,
     )
     started = {"ok": False}
 

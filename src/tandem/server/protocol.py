@@ -84,6 +84,7 @@ class SamplingFields(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False  # choices (and stream chunks) carry their token ids
     cache_salt: str | None = None  # vLLM's: the prefix cache's namespace for this request
+    priority: int = 0  # vLLM's: lower is scheduled first (a worker with the priority policy)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's
     # Structured outputs, asked for in one of three ways: OpenAI's response_format, vLLM's
     # structured_outputs, or vLLM's older guided_* fields.
@@ -169,6 +170,7 @@ class SamplingFields(BaseModel):
             prompt_logprobs=self.wanted_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
+            priority=self.priority,
         )
 
 
