@@ -907,6 +907,12 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(worker, client):
     assert rate_before < rate_after <= 1
 
 
+def test_completions_default_to_16_tokens(client):
+    """As OpenAI's and vLLM's completions endpoint (chat answers run to the context length)."""
+    answer = client.completions.create(model=MODEL, prompt=FRUITS, extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 16 and answer.choices[0].finish_reason == "length"
+
+
 def test_a_cache_salt_keeps_prefix_cache_hits_within_it(worker, client):
     """vLLM's cache_salt: the same prompt hits the cache only after a request with the same
     salt (or, unsalted, an unsalted one): 2 full blocks of 16 tokens of a 40-token prompt."""
@@ -1103,6 +1109,21 @@ BAD_REQUESTS = [
         "chat_template",
     ),
     ("priority-without-policy", COMPLETIONS, {"prompt": "hi", "priority": 1}, 400, "priority"),
+    ("lone-surrogate", COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    (
+        "lone-surrogate-chat",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}',
+        400,
+        "messages",
+    ),
+    (
+        "image-part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages.0.content",
+    ),
     (
         "pd-without-transport",
         COMPLETIONS,

@@ -18,6 +18,18 @@ from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 
 
+def check_unicode(text: str, field_name: str) -> None:
+    """ValueError naming the field when the text holds a lone surrogate (JSON's "\\ud800"
+    escapes allow them; UTF-8, and so the tokenizer, does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{field_name} holds a lone surrogate (character {exc.start}), which is not valid "
+            "Unicode; send valid UTF-8 text"
+        ) from None
+
+
 def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}-{index}"
 
@@ -50,6 +62,7 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("the prompt is empty; send at least one token")
             self._require_tokenizer()
+            check_unicode(prompt, "prompt")
             return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
         token_ids = list(prompt)
         if not token_ids:
@@ -81,6 +94,7 @@ class InputProcessor:
     def tokenize_rendered_chat(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """A rendered chat template's tokens (the template wrote its special tokens itself,
         so none are added unless asked)."""
+        check_unicode(text, "messages")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def tokenize_chat(

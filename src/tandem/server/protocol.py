@@ -179,6 +179,7 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
+    max_tokens: int | None = 16  # OpenAI's and vLLM's default here (chat: up to the context)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     add_special_tokens: bool = True  # the tokenizer's BOS and the like before a text prompt
@@ -232,6 +233,18 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            others = sorted({str(part.get("type")) for part in content} - {"text"})
+            if others:
+                raise ValueError(
+                    f"content parts of type {', '.join(others)} cannot be read: the model "
+                    "takes text only; send text parts"
+                )
+        return content
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
