@@ -229,6 +229,22 @@ def streamed(client: httpx.Client, url: str, body: dict) -> tuple[Completion, li
     return Completion.from_chunks(chunks), [t for lp in logprobs if lp for t in lp["tokens"]]
 
 
+def test_a_streamed_request_the_decode_leg_refuses_is_refused_by_the_handoff_router(
+    client, trio, routers
+):
+    """max_tokens past the context with a long prompt: the prefill leg (max_tokens 1) takes it
+    and computes for a while, the decode leg (opened with it by the handoff router) refuses it
+    at once; the client gets that 400, as from `both`, not a stream that ends in an error, and
+    the prefill's lease is released."""
+    body = {"prompt": list(range(1000, 1500)), "max_tokens": 8000, "stream": True}
+    expected = client.post(trio["both"].url + "/v1/completions", json=body, timeout=60)
+    assert expected.status_code == 400
+    answer = client.post(routers["handoff"].url + "/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["message"] == expected.json()["error"]["message"]
+    assert_nothing_held(trio["prefill"], trio["decode"])
+
+
 @pytest.mark.parametrize(
     ("stop", "extra"),
     [

@@ -769,12 +769,22 @@ class Proxy:
     ) -> Flow:
         """The first token from the prefill answer, then the decode leg `opening` relayed. The
         first token's text goes out as a worker streams it: less what may begin a stop string
-        (the decode leg, which completes or rules out that string, sends the rest)."""
+        (the decode leg, which completes or rules out that string, sends the rest). A decode
+        leg that has refused the request by then (a handoff's, opened with the prefill leg)
+        has its refusal relayed instead, status and all."""
         first_text = prefill.first_text
         first_text = first_text[: max(0, len(first_text) - stop_hold_back(ctx.body))]
         leg: Leg | None = None
         completed = False
         try:
+            if opening.done() and not opening.cancelled() and opening.exception() is None:
+                leg = opening.result()
+                if leg.response.status != 200:
+                    # Refused already (a field the prefill leg does not carry, as max_tokens):
+                    # its answer goes to the client as it is, nothing streamed yet.
+                    for item in self._relayed(ctx, leg, await self._read_leg(leg)):
+                        yield item
+                    return
             yield SSE_HEAD
             yield self._first_chunk(ctx, prefill.answer, first_text)
             try:
