@@ -743,9 +743,10 @@ class ChatWriter(ResponseWriter):
     def reasoning_parser(self) -> str | None:
         """The parser that splits this request's reasoning off its content; none for a
         structured output or a forced tool call held from its first token (no reasoning)."""
-        held_from_the_start = self.is_structured and self.structured_output_after is None
-        if self.settings.reasoning_parser is None or held_from_the_start:
+        if self.settings.reasoning_parser is None:
             return None
+        if self.is_structured and self.structured_output_after is None:
+            return None  # held from its first token
         return self.settings.reasoning_parser
 
     def answer(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
