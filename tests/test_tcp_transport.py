@@ -20,30 +20,22 @@ import pytest
 import torch
 
 import tandem
-from tandem.kv.tcp_transport import TcpKVClient, TcpKVServer
+from kv_wire import (
+    CONFIRM,
+    FETCH,
+    LAYER,
+    WIRE_HEADER,
+    DoneRecorder,
+    assert_same_layers,
+    closed_by_server,
+    layer_bytes,
+    make_layers,
+    raw_connect,
+    recv_exact,
+    zeros_like_all,
+)
+from tandem.kv.tcp_transport import RETRY_ATTEMPTS, TcpKVClient, TcpKVServer
 from tandem.kv.transport import KVTransferError, TransportFault
-
-# The documented wire format, written out independently of the module.
-WIRE_HEADER = struct.Struct("!4sB3xIQ")
-FETCH, LAYER, CONFIRM = 1, 2, 3
-
-
-class DoneRecorder:
-    """Collects on_transfer_done calls; lets a test wait for them."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, bool]] = []
-        self._condition = threading.Condition()
-
-    def __call__(self, transfer_id: str, ok: bool) -> None:
-        with self._condition:
-            self.calls.append((transfer_id, ok))
-            self._condition.notify_all()
-
-    def wait_for(self, count: int, timeout: float = 5.0) -> list[tuple[str, bool]]:
-        with self._condition:
-            self._condition.wait_for(lambda: len(self.calls) >= count, timeout)
-            return list(self.calls)
 
 
 @pytest.fixture
@@ -68,31 +60,6 @@ def client() -> Iterator[TcpKVClient]:
     kv_client.close()
 
 
-def make_layers(seed: int, num_layers: int = 4, num_blocks: int = 5) -> list[torch.Tensor]:
-    """Staging tensors [2, blocks, block_size, kv_heads, head_dim], float32 and bfloat16 mixed."""
-    generator = torch.Generator().manual_seed(seed)
-    layers = []
-    for index in range(num_layers):
-        dtype = torch.float32 if index % 2 == 0 else torch.bfloat16
-        layers.append(torch.randn(2, num_blocks, 16, 3, 64, generator=generator).to(dtype))
-    return layers
-
-
-def layer_bytes(layer: torch.Tensor) -> bytes:
-    return layer.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def assert_same_layers(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for index, (got_layer, want_layer) in enumerate(zip(got, want, strict=True)):
-        assert got_layer.dtype == want_layer.dtype, f"layer {index}"
-        assert layer_bytes(got_layer) == layer_bytes(want_layer), f"layer {index} differs"
-
-
-def zeros_like_all(layers: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.zeros_like(layer) for layer in layers]
-
-
 def fetch_in_thread(
     client: TcpKVClient, port: int, transfer_id: str, dest: list[torch.Tensor], **kwargs: object
 ) -> tuple[threading.Thread, list[BaseException]]:
@@ -109,33 +76,11 @@ def fetch_in_thread(
     return thread, errors
 
 
-def raw_connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=5.0)
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    """Whether the server closed the connection (an orderly close, or a reset when it left
-    unread bytes behind)."""
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-
-
 def raw_fetch_request(transfer_id: str, layers: list[torch.Tensor]) -> bytes:
     payload = msgspec.msgpack.encode(
         {"transfer_id": transfer_id, "layer_nbytes": [t.numel() * t.element_size() for t in layers]}
     )
     return WIRE_HEADER.pack(b"TKV1", FETCH, 0, len(payload)) + payload
-
-
-def raw_recv_exact(sock: socket.socket, count: int) -> bytes:
-    chunks = bytearray()
-    while len(chunks) < count:
-        chunk = sock.recv(count - len(chunks))
-        assert chunk, "server closed the connection early"
-        chunks += chunk
-    return bytes(chunks)
 
 
 def test_round_trip_float32_and_bfloat16(make_server, client):
@@ -265,27 +210,85 @@ def test_failing_wait_layer_aborts_and_reports_failure(make_server, client):
     assert done.wait_for(1) == [("req-5", False)]
 
 
+class RetryCounter:
+    """on_retry for a client: counts the tries after a broken connection."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> None:
+        self.count += 1
+
+
+@pytest.fixture
+def retrying_client() -> Iterator[tuple[TcpKVClient, RetryCounter]]:
+    retries = RetryCounter()
+    kv_client = TcpKVClient(on_retry=retries)
+    yield kv_client, retries
+    kv_client.close()
+
+
 @pytest.mark.parametrize("drop_after_layers", [0, 1, 3])
-def test_injected_drop_breaks_one_fetch_then_a_clean_fetch_works(
-    make_server, client, drop_after_layers
+def test_a_fetch_whose_connection_drops_once_is_retried(
+    make_server, retrying_client, drop_after_layers
 ):
+    """The server drops the connection after 0, 1 or all 3 layers (before CONFIRM): the fetch
+    goes on on a new connection and delivers the same bytes, each layer reported once; the
+    transfer stays published meanwhile and is confirmed once (after all 3: a confirmation
+    without the bytes, which are in already)."""
+    client, retries = retrying_client
     server, done = make_server(fault=TransportFault(drop_after_layers=drop_after_layers, times=1))
     layers = make_layers(seed=6, num_layers=3)
     server.publish("req-6", layers)
     arrived: list[int] = []
-    with pytest.raises(KVTransferError) as info:
-        client.fetch(
-            "127.0.0.1", server.port, "req-6", zeros_like_all(layers), timeout=5.0,
-            on_layer=arrived.append,
-        )  # fmt: skip
-    assert info.value.kind == "connection"
-    assert arrived == list(range(drop_after_layers))
-    assert done.wait_for(1) == [("req-6", False)]
-
     dest = zeros_like_all(layers)
-    client.fetch("127.0.0.1", server.port, "req-6", dest, timeout=5.0)
+    client.fetch("127.0.0.1", server.port, "req-6", dest, timeout=600, on_layer=arrived.append)
+
+    assert arrived == [0, 1, 2]
     assert_same_layers(dest, layers)
     assert done.wait_for(2) == [("req-6", False), ("req-6", True)]
+    assert retries.count == 1 and server.connections_accepted == 2
+
+
+def test_a_fetch_that_breaks_more_often_than_its_retries_fails(make_server, retrying_client):
+    """Every connection drops after a layer: RETRY_ATTEMPTS tries, then the typed error; the
+    transfer stays published (each break reported) and a fetch on a sound server side works."""
+    client, retries = retrying_client
+    server, done = make_server(fault=TransportFault(drop_after_layers=1, times=RETRY_ATTEMPTS))
+    layers = make_layers(seed=13, num_layers=3)
+    server.publish("req-13", layers)
+    started = time.monotonic()
+    with pytest.raises(KVTransferError) as info:
+        client.fetch("127.0.0.1", server.port, "req-13", zeros_like_all(layers), timeout=600)
+    assert info.value.kind == "connection"
+    assert time.monotonic() - started < 2.0
+    assert retries.count == RETRY_ATTEMPTS - 1
+    assert done.wait_for(RETRY_ATTEMPTS) == [("req-13", False)] * RETRY_ATTEMPTS
+
+    dest = zeros_like_all(layers)
+    client.fetch("127.0.0.1", server.port, "req-13", dest, timeout=5.0)
+    assert_same_layers(dest, layers)
+    assert done.wait_for(RETRY_ATTEMPTS + 1)[-1] == ("req-13", True)
+
+
+def test_a_release_whose_answer_is_lost_is_done(make_server, retrying_client):
+    """The server drops the connection after a release, before its answer: the retry finds the
+    transfer gone, which is what the release asked for."""
+    client, retries = retrying_client
+    server, done = make_server()
+    server.publish("t", make_layers(14, num_layers=2))
+    original = server._finish
+
+    def finish_then_drop(connection, transfer_id, transfer):
+        with server._lock:
+            del server._transfers[transfer_id]
+        server._call_done(transfer_id, True)
+        connection.shutdown(socket.SHUT_RDWR)  # DONE never goes out
+
+    server._finish = finish_then_drop
+    client.release("127.0.0.1", server.port, "t", timeout=5.0)
+    server._finish = original
+    assert done.calls == [("t", True)] and retries.count == 1
 
 
 def test_delay_past_the_client_deadline_is_a_timeout(make_server, client):
@@ -304,11 +307,13 @@ def test_delay_past_the_client_deadline_is_a_timeout(make_server, client):
     assert done.wait_for(1) == [("req-7", True)]
 
 
-def test_garbage_and_silent_clients_leave_the_server_serving(make_server, client):
+@pytest.mark.parametrize("handshake", [False, True])
+def test_garbage_and_silent_clients_leave_the_server_serving(make_server, client, handshake):
+    """Garbage in place of the handshake, or after it: the server drops that connection only."""
     server, done = make_server()
     layers = make_layers(seed=8, num_layers=2)
     server.publish("req-8", layers)
-    silent = raw_connect(server.port)
+    silent = raw_connect(server.port, handshake=handshake)
     garbage_messages = [
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(64),
         WIRE_HEADER.pack(b"TKV1", FETCH, 0, 1 << 40),  # absurd control length
@@ -316,8 +321,8 @@ def test_garbage_and_silent_clients_leave_the_server_serving(make_server, client
         WIRE_HEADER.pack(b"TKV1", CONFIRM, 0, 0),  # out of order
     ]
     for message in garbage_messages:
-        sock = raw_connect(server.port)
-        sock.sendall(message)
+        sock = raw_connect(server.port, handshake=handshake)
+        sock.sendall(message.ljust(72, b"\0"))  # at least an AUTH's length
         assert closed_by_server(sock), f"the server kept a connection that sent {message!r}"
         sock.close()
 
@@ -334,7 +339,7 @@ def test_client_dropping_mid_transfer_reports_failure_and_keeps_the_transfer(mak
     server.publish("req-9", layers)
     sock = raw_connect(server.port)
     sock.sendall(raw_fetch_request("req-9", layers))
-    magic, message_type, layer, length = WIRE_HEADER.unpack(raw_recv_exact(sock, WIRE_HEADER.size))
+    magic, message_type, layer, length = WIRE_HEADER.unpack(recv_exact(sock, WIRE_HEADER.size))
     assert (magic, message_type, layer) == (b"TKV1", LAYER, 0)
     assert length == layers[0].numel() * 4
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -355,10 +360,10 @@ def test_client_that_never_confirms_times_out_on_the_server(make_server, client)
     sock.sendall(raw_fetch_request("req-10", layers))
     for index, layer in enumerate(layers):
         _, message_type, layer_index, length = WIRE_HEADER.unpack(
-            raw_recv_exact(sock, WIRE_HEADER.size)
+            recv_exact(sock, WIRE_HEADER.size)
         )
         assert (message_type, layer_index) == (LAYER, index)
-        assert raw_recv_exact(sock, length) == layer_bytes(layer)
+        assert recv_exact(sock, length) == layer_bytes(layer)
     assert done.wait_for(1) == [("req-10", False)]
     assert closed_by_server(sock)
     sock.close()
@@ -598,15 +603,55 @@ def test_an_abandoned_hold_lets_go_and_a_new_one_can_follow(make_server, client)
     assert owner.held == ["gpu", "gpu"]
 
 
-def test_an_injected_drop_comes_before_held(make_server, client):
+@pytest.mark.parametrize("drops", [1, RETRY_ATTEMPTS])
+def test_a_hold_whose_connection_drops_before_held_is_asked_again(
+    make_server, retrying_client, drops
+):
+    """An injected drop comes before HELD: the hold is asked for again on a new connection
+    and held there; with a drop on every try, it fails with the typed error."""
+    client, retries = retrying_client
     owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner, fault=TransportFault(drop_after_layers=0))
+    fault = TransportFault(drop_after_layers=0, times=drops)
+    server, done = make_server(on_transfer_held=owner, fault=fault)
     server.publish("gpu", [])
     hold = client.hold("127.0.0.1", server.port, "gpu", timeout=5)
-    with pytest.raises(KVTransferError) as error:
-        hold.wait()
-    assert error.value.kind == "connection"
-    assert done.wait_for(1) == [("gpu", False)] and owner.held == []
+    if drops == RETRY_ATTEMPTS:
+        with pytest.raises(KVTransferError) as error:
+            hold.wait()
+        assert error.value.kind == "connection" and retries.count == RETRY_ATTEMPTS - 1
+        assert done.wait_for(drops) == [("gpu", False)] * drops and owner.held == []
+        return
+    hold.wait()
+    assert owner.held == ["gpu"] and retries.count == 1
+    hold.release()
+    assert done.wait_for(2) == [("gpu", False), ("gpu", True)]
+
+
+def test_a_hold_broken_while_another_connection_holds_keeps_the_transfer_held(make_server, client):
+    """A decode whose held connection broke holds again on a new one; the server lets go of
+    the transfer (on_transfer_done(id, False)) only when the last of its holds ends, however
+    late it notices the broken one."""
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    first = client.hold("127.0.0.1", server.port, "gpu", timeout=5)
+    first.wait()
+    second = client.hold("127.0.0.1", server.port, "gpu", timeout=5)
+    second.wait()
+    assert owner.held == ["gpu", "gpu"] and server.connections_accepted == 2
+    first.abandon()
+    wait_for_connections(server, 1)
+    assert done.calls == []  # still held by the second connection
+    second.abandon()
+    assert done.wait_for(1) == [("gpu", False)]
+
+
+def wait_for_connections(server: TcpKVServer, count: int) -> None:
+    """Until the server's connection threads are down to `count` (closed ones noticed)."""
+    deadline = time.monotonic() + 5.0
+    while len(server._connections) != count:
+        assert time.monotonic() < deadline, f"{len(server._connections)} connections left"
+        time.sleep(0.01)
 
 
 def start_held_wait(
@@ -812,7 +857,7 @@ def test_an_early_announcement_waits_for_a_decode_that_comes_later(make_server, 
     assert hold.announcement() == {"first_token_id": 7}
     assert server.early_announcements == 1  # counted before the waiter could be announced to
     assert_release_ends_the_transfer(hold, server, client, done)
-    assert server._early_waiters == {} and server._handoffs == {}
+    assert server._early_waiters == {} and server._handoffs["h"].waiter is None
 
 
 def test_a_kept_early_announcement_is_not_for_late_or_plain_waits(make_server, client):
@@ -962,12 +1007,17 @@ def test_the_announcing_thread_sends_to_a_waiting_decode_itself(make_server, cli
     assert server.connections_accepted == 1
 
 
-def test_a_handoff_announced_before_the_wait_is_kept_for_it(make_server, client):
-    server, _ = make_server()
+def test_a_handoff_announced_before_the_wait_is_kept_for_it_and_its_retries(make_server, client):
+    """An announcement stays for its TTL, claimed or not: a wait that comes again (its
+    connection broke) gets it again; after the TTL it is gone."""
+    server, _ = make_server(announcement_ttl=0.5)
     server.announce("early", {"error": "the prefill failed"})
-    answer = client.await_announcement("127.0.0.1", server.port, "early", timeout=5.0)
-    assert answer == {"error": "the prefill failed"}
-    with pytest.raises(KVTransferError) as failure:  # claimed once, then gone
+    for _ in range(2):
+        answer = client.await_announcement("127.0.0.1", server.port, "early", timeout=5.0)
+        assert answer == {"error": "the prefill failed"}
+    time.sleep(0.6)
+    server.announce("other", {})  # sweeps what expired
+    with pytest.raises(KVTransferError) as failure:
         client.await_announcement("127.0.0.1", server.port, "early", timeout=0.3)
     assert failure.value.kind == "timeout"
 
@@ -1050,3 +1100,139 @@ def test_a_wait_for_an_unreachable_server_is_a_connection_error(client):
     with pytest.raises(KVTransferError) as failure:
         client.await_announcement("127.0.0.1", port, "h", timeout=2.0)
     assert failure.value.kind == "connection"
+
+
+def waiting_connection(server: TcpKVServer, handoff_id: str, other_than=()) -> socket.socket:
+    """The server's end of the connection that waits on handoff_id (not one of `other_than`)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        handoff = server._handoffs.get(handoff_id)
+        connection = handoff.waiter if handoff is not None else None
+        if connection is not None and connection not in other_than:
+            return connection
+        assert time.monotonic() < deadline, "no new wait reached the server"
+        time.sleep(0.01)
+
+
+def wait_in_thread(client, server, handoff_id: str, hold: bool) -> tuple[threading.Thread, list]:
+    """A wait (with a hold, or plain) on handoff_id in a thread; its result or error goes into
+    the list."""
+    outcome: list = []
+
+    def wait() -> None:
+        try:
+            if hold:
+                outcome.append(
+                    client.await_held_announcement(
+                        "127.0.0.1", server.port, handoff_id, timeout=10, hold_timeout=10
+                    )
+                )
+            else:
+                message = client.await_announcement(
+                    "127.0.0.1", server.port, handoff_id, timeout=10
+                )
+                outcome.append((message, None))
+        except KVTransferError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    return waiter, outcome
+
+
+@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize("when", ["while waiting", "as the announcement goes out"])
+def test_a_wait_whose_connection_breaks_is_retried_and_gets_the_announcement(
+    make_server, retrying_client, monkeypatch, when, hold
+):
+    """The connection of a wait breaks before the announcement, or as it goes out (the server
+    sent it, the client never gets it): the client waits again on a new connection and gets
+    the announcement, with the transfer held anew when it asked for a hold; the broken
+    connection's hold is let go without undoing the new one."""
+    from tandem.kv import tcp_transport
+
+    client, retries = retrying_client
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    lost: list[socket.socket] = []
+    if when == "as the announcement goes out":
+        send = tcp_transport._send_message
+
+        def losing_send(sock, message_type, payload=b"", layer=0):
+            if message_type == tcp_transport._ANNOUNCE and not lost:
+                lost.append(sock)
+                sock.shutdown(socket.SHUT_RDWR)  # sent, as far as the server knows
+                return
+            send(sock, message_type, payload, layer)
+
+        monkeypatch.setattr(tcp_transport, "_send_message", losing_send)
+    started = time.monotonic()
+    waiter, outcome = wait_in_thread(client, server, "h", hold)
+    first = waiting_connection(server, "h")
+    if when == "while waiting":
+        first.shutdown(socket.SHUT_RDWR)
+        waiting_connection(server, "h", other_than=[first])
+    message = {"remote_request_id": "gpu", "first_token_id": 7}
+    server.announce("h", message, transfer_id="gpu")
+    waiter.join(10.0)
+
+    [(announcement, held)] = outcome
+    assert announcement == message and time.monotonic() - started < 5.0
+    assert retries.count == 1 and server.connections_accepted == 2
+    if not hold:
+        assert held is None and owner.held == []
+        return
+    wait_for_connections(server, 1)  # the broken one is gone, the hold's is left
+    assert held is not None and server._transfers["gpu"].holds == 1
+    before = len(done.calls)
+    held.release()
+    assert done.wait_for(before + 1)[-1] == ("gpu", True)
+    assert "gpu" not in server._transfers
+
+
+def test_a_wait_that_breaks_more_often_than_its_retries_fails(make_server, retrying_client):
+    client, retries = retrying_client
+    server, _ = make_server()
+    waiter, outcome = wait_in_thread(client, server, "h", hold=False)
+    broken: list[socket.socket] = []
+    for _ in range(RETRY_ATTEMPTS):
+        broken.append(waiting_connection(server, "h", other_than=broken))
+        broken[-1].shutdown(socket.SHUT_RDWR)
+    waiter.join(10.0)
+    [error] = outcome
+    assert isinstance(error, KVTransferError) and error.kind == "connection"
+    assert retries.count == RETRY_ATTEMPTS - 1
+
+
+@pytest.mark.parametrize("announced", ["before the wait again", "during the wait again"])
+def test_a_break_after_an_early_announcement_waits_again_for_the_proper(
+    make_server, retrying_client, announced
+):
+    """The connection that brought an early announcement (with the transfer held) breaks
+    before the announcement proper: the client waits again on a new connection and gets it
+    with the transfer held anew (the copy it queued stays safe); the release confirms."""
+    client, retries = retrying_client
+    owner = HoldOwner()
+    server, done = make_server(on_transfer_held=owner)
+    server.publish("gpu", [])
+    _, hold = announced_early_to_a_waiter(client, server, "gpu", {"remote_request_id": "gpu"})
+    server._early_waiters["h"].shutdown(socket.SHUT_RDWR)
+    proper = {"first_token_id": 7}
+    if announced == "before the wait again":
+        server.announce("h", proper, transfer_id="gpu")
+    received: list[dict] = []
+    waiter = threading.Thread(target=lambda: received.append(hold.announcement()))
+    waiter.start()
+    if announced == "during the wait again":
+        waiting_connection(server, "h")
+        server.announce("h", proper, transfer_id="gpu")
+    waiter.join(5.0)
+
+    assert received == [proper] and not hold.announcement_pending and retries.count == 1
+    wait_for_connections(server, 1)
+    assert server._transfers["gpu"].holds == 1 and owner.held == ["gpu", "gpu"]
+    before = len(done.calls)
+    hold.release()
+    assert done.wait_for(before + 1)[-1] == ("gpu", True)
+    assert "gpu" not in server._transfers

@@ -110,7 +110,9 @@ class KVConnector:
 
     def stats(self) -> dict[str, Any]:
         """Counters for /metrics. "kv_transfer_seconds" (a list) and "kv_transfer_failures"
-        (kind -> count) hold only what happened since the previous call."""
+        (kind -> count: a load's failure kind, "send" for a fetch or hold that broke on the
+        prefill side, "retried" for a broken connection tried again) hold only what happened
+        since the previous call."""
         return {}
 
     def shutdown(self) -> None:

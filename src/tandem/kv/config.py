@@ -22,6 +22,8 @@ class KVTransferConfig:
     handoff_timeout_s: float = 600.0  # how long a decode waits for a prefill it was handed off
     load_failure_policy: str = "recompute"
     fault: str | None = None  # fault injection for tests, e.g. "drop:1", "delay:5"
+    # the cluster's shared secret: KV connections prove it both ways (tandem.kv.auth)
+    cluster_token: str | None = field(default=None, repr=False)
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def __post_init__(self) -> None:

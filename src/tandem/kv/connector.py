@@ -272,10 +272,13 @@ class PDConnector(KVConnector):
                 on_transfer_done=self._on_transfer_done,
                 on_transfer_held=self._on_transfer_held,
                 fault=fault,
+                cluster_token=self.config.cluster_token,
             )
             logger.info("KV server listening on %s:%d", self.config.host, self.server.port)
         if self.config.loads_kv:
-            self.client = TcpKVClient()
+            self.client = TcpKVClient(
+                cluster_token=self.config.cluster_token, on_retry=self._count_retry
+            )
             self.executor = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load")
             if self.gpu_direct:
                 self.confirmations = ThreadPoolExecutor(
@@ -949,8 +952,9 @@ class PDConnector(KVConnector):
         self.wakeup = callback
 
     def _on_transfer_done(self, request_id: str, ok: bool) -> None:
-        """Transport thread: the decode confirmed (ok) or a fetch or hold broke (not ok: a
-        hold lets go of the lease, which then ends as any other)."""
+        """Transport thread: the decode confirmed (ok) or a fetch or hold broke (not ok: the
+        lease stays, no longer held, until it is confirmed, released or expires: the decode
+        may try again meanwhile)."""
         if not ok:
             with self.lock:
                 self.new_failures["send"] = self.new_failures.get("send", 0) + 1
@@ -966,6 +970,11 @@ class PDConnector(KVConnector):
             self.counters["kv_blocks_sent"] += lease.num_blocks
             self.finished_sending.add(request_id)
         self.wakeup()
+
+    def _count_retry(self) -> None:
+        """Transport thread: a request on the KV port broke and is tried again."""
+        with self.lock:
+            self.new_failures["retried"] = self.new_failures.get("retried", 0) + 1
 
     def _on_transfer_held(self, request_id: str) -> bool:
         """Transport thread: a decode worker reads the blocks itself and asks that they stay

@@ -14,15 +14,18 @@ there. Without Triton the copy falls back to a torch gather over NVLink and a sc
 the local GPU (slower: the bytes cross memory three times).
 
 Both workers must see the same GPUs under the same indices (the same CUDA_VISIBLE_DEVICES), since a
-handle names the device by its index. The TCP control channel of the connector still carries the
-decode's confirmation, so leases and failures work as with the TCP transport.
+handle names the device by its index. A handle is plain data (msgpack: numbers, bytes, and the few
+torch types a rebuild needs, by name from a fixed list), never a pickle: it arrives in a request's
+kv_transfer_params, and decoding it must not run code. The TCP control channel of the connector
+still carries the decode's confirmation, so leases and failures work as with the TCP transport.
 """
 
 from __future__ import annotations
 
 import base64
-import pickle
+from typing import Any
 
+import msgspec
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -96,11 +99,35 @@ def copy_blocks_kernel(
     )  # fmt: skip
 
 
+# the types torch's rebuild_cuda_tensor takes as arguments, by the names handles carry them under
+HANDLE_TYPES: dict[str, type] = {
+    "Tensor": torch.Tensor,
+    "UntypedStorage": torch.UntypedStorage,
+    "TypedStorage": torch.TypedStorage,
+}
+
+
+class InvalidHandle(ValueError):
+    """A CUDA IPC handle that is not one `export_handle` makes."""
+
+
 def export_handle(kv_cache: torch.Tensor) -> str:
     rebuild, args = reduce_tensor(kv_cache)
     if rebuild is not rebuild_cuda_tensor:
         raise ValueError("CUDA IPC needs the KV cache on a CUDA device")
-    return base64.b64encode(pickle.dumps(args)).decode("ascii")
+    return base64.b64encode(msgspec.msgpack.encode([_plain(arg) for arg in args])).decode("ascii")
+
+
+def decode_handle(handle: str) -> list[Any]:
+    """The arguments of rebuild_cuda_tensor that `handle` holds; InvalidHandle when it holds
+    anything else."""
+    try:
+        fields = msgspec.msgpack.decode(base64.b64decode(handle, validate=True))
+    except (ValueError, TypeError, msgspec.DecodeError) as exc:
+        raise InvalidHandle(f"not a CUDA IPC handle: {exc}") from None
+    if not isinstance(fields, list):
+        raise InvalidHandle("not a CUDA IPC handle: not a list")
+    return [_typed(field) for field in fields]
 
 
 def open_handle(handle: str, local_device: torch.device) -> torch.Tensor:
@@ -109,9 +136,47 @@ def open_handle(handle: str, local_device: torch.device) -> torch.Tensor:
     while its memory stays on the remote GPU. A mapping on the remote GPU's own context, as
     torch's rebuild makes by default, is not usable from the local GPU: a kernel there reading
     it faults."""
-    args = list(pickle.loads(base64.b64decode(handle)))
+    args = decode_handle(handle)
     args[STORAGE_DEVICE_ARG] = torch.device(local_device).index
     return rebuild_cuda_tensor(*args)
+
+
+def _plain(value: Any) -> Any:
+    """One argument of rebuild_cuda_tensor as plain data: types and dtypes by name."""
+    if isinstance(value, type):
+        name = value.__name__
+        if HANDLE_TYPES.get(name) is not value:
+            raise ValueError(f"a CUDA IPC handle cannot carry the type {value!r}")
+        return {"type": name}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.Size):
+        return {"size": list(value)}
+    if isinstance(value, tuple):
+        return {"tuple": list(value)}
+    if value is None or isinstance(value, (bool, int, float, bytes, str)):
+        return value
+    raise ValueError(f"a CUDA IPC handle cannot carry {value!r}")
+
+
+def _typed(value: Any) -> Any:
+    """The inverse of `_plain`, for the names and shapes it writes only."""
+    if not isinstance(value, dict):
+        if value is None or isinstance(value, (bool, int, float, bytes, str)):
+            return value
+        raise InvalidHandle(f"a CUDA IPC handle holds no {type(value).__name__}")
+    if len(value) != 1:
+        raise InvalidHandle("not a CUDA IPC handle: a field of several keys")
+    ((kind, content),) = value.items()
+    if kind == "type" and content in HANDLE_TYPES:
+        return HANDLE_TYPES[content]
+    if kind == "dtype" and isinstance(getattr(torch, str(content), None), torch.dtype):
+        return getattr(torch, content)
+    if kind in ("size", "tuple") and isinstance(content, list):
+        if not all(isinstance(item, int) and not isinstance(item, bool) for item in content):
+            raise InvalidHandle(f"a CUDA IPC handle's {kind} holds more than integers")
+        return torch.Size(content) if kind == "size" else tuple(content)
+    raise InvalidHandle(f"a CUDA IPC handle holds no {kind} {content!r}")
 
 
 class BlockCopier:

@@ -6,8 +6,9 @@ Bytes go between socket and tensor memory through uint8 views (`sendall` / `recv
 per-block Python objects, no intermediate copies. This module moves bytes only; see
 `tandem.kv.transport` for the contract shared by all transports.
 
-Wire format. One connection carries any number of fetches, one after another; every message is a
-20-byte header, then `length` payload bytes:
+Wire format. A new connection starts with the handshake of `tandem.kv.auth` (the server speaks
+first; with a cluster token both sides prove it); then it carries any number of fetches, one
+after another; every message is a 20-byte header, then `length` payload bytes:
 
     header = magic b"TKV1" | type u8 | 3 pad bytes | layer u32 | length u64     (big-endian)
 
@@ -42,14 +43,15 @@ Wire format. One connection carries any number of fetches, one after another; ev
 Handoffs let a decode worker wait for a prefill that has not finished (or not even arrived) yet:
 the prefill side calls `announce(handoff_id, message)` once it knows what the decode needs (its
 transfer parameters, or that there is nothing to load); a waiting AWAIT gets it at once, a later
-one finds it waiting (an announcement nobody claims is dropped after `announcement_ttl`).
+one finds it waiting. An announcement is kept for `announcement_ttl`, claimed or not: an AWAIT
+that comes again (its connection broke) gets it again, with the transfer held anew if it asks.
 
 A hold is how GPU-direct transports keep their guarantee without a round trip after the copy: the
 client sends the hold, copies while it travels, and uses the copy only once HELD came back. The
 transfer was published (its lease alive) when the server held it, so it was during the copy
 too, and it stays so until CONFIRM; the server asks its owner first (`on_transfer_held`, which
 may refuse: the lease already ended), and a connection that closes before CONFIRM lets go of it
-(on_transfer_done(id, False)).
+(on_transfer_done(id, False), once no other connection holds it).
 
 A handoff's announcement can carry the hold itself: a decode worker that waits with AWAIT (hold)
 gets the transfer the announcement names held as the announcement goes out (`announce(...,
@@ -73,7 +75,9 @@ Threads: the server runs one accept thread plus one thread per connection; `wait
 outside the server's lock, so they may call publish/withdraw). Anything unexpected from a client
 (garbage, a drop, silence past `io_timeout`) ends that connection only; a fetch that breaks that
 way reports on_transfer_done(id, False) if the transfer is still published, and leaves it
-published.
+published. The client retries a request whose connection broke (or could not be opened) on a
+new connection, RETRY_ATTEMPTS in all, with backoff, within the request's deadline; a failed
+handshake, the server's ERROR reply, a timeout or a cancellation is not retried.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
@@ -90,6 +95,14 @@ from typing import Any, Literal, NoReturn
 import msgspec
 import torch
 
+from tandem.kv.auth import (
+    HANDSHAKE_TIMEOUT_S,
+    HandshakeError,
+    HandshakeRefused,
+    derive_kv_key,
+    open_handshake,
+    serve_handshake,
+)
 from tandem.kv.transport import (
     TRANSFER_ERROR_KINDS,
     KVTransferError,
@@ -118,6 +131,8 @@ _HELD = 8
 _HELD_FLAG = 1  # ANNOUNCE: the transfer it names is held for this connection
 _EARLY_FLAG = 2  # ANNOUNCE: early; the announcement proper follows on the connection
 AWAIT_POLL_S = 0.05  # how often a wait checks that its peer is still there (or cancelled)
+RETRY_ATTEMPTS = 3  # tries of a request whose connection broke, the first included
+RETRY_BACKOFF_S = 0.05  # the pause before the first retry, doubled before each next one
 
 
 class _FetchRequest(msgspec.Struct):
@@ -156,6 +171,14 @@ class _Cancelled(Exception):
 
 class _InjectedDrop(Exception):
     """A TransportFault asked the server to drop the connection here."""
+
+
+class _Broken(Exception):
+    """Client side: a request's connection broke, or could not be opened; worth another try."""
+
+    def __init__(self, error: KVTransferError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -253,7 +276,7 @@ def _send_message(
 class _Handoff:
     arrived: threading.Event = field(default_factory=threading.Event)
     message: dict[str, Any] | None = None
-    expires: float = float("inf")  # an announcement nobody claimed is dropped after this
+    expires: float = float("inf")  # what was announced (or kept early) is dropped after this
     waiter: socket.socket | None = None  # the connection of a decode worker waiting on it
     answered: bool = False  # the waiter got its one answer (set by whoever sends it)
     transfer_id: str | None = None  # the transfer the announcement names, to hold if asked
@@ -262,12 +285,25 @@ class _Handoff:
     early_wanted: bool = False  # the waiter takes an early announcement (AWAIT early)
     held: bool = False  # it is held for the waiter's connection, until CONFIRM or a drop
 
+    @classmethod
+    def renewed(cls, previous: _Handoff | None) -> _Handoff:
+        """The record of a new wait: what `previous` (another wait's, whose client may come
+        again after its connection broke) had announced or kept, none of that wait's state."""
+        handoff = cls()
+        if previous is not None:
+            handoff.message, handoff.transfer_id = previous.message, previous.transfer_id
+            handoff.early_message, handoff.expires = previous.early_message, previous.expires
+            if previous.message is not None:
+                handoff.arrived.set()
+        return handoff
+
 
 @dataclass(eq=False)
 class _Transfer:
     layers: list[memoryview]
     wait_layer: Callable[[int], None] | None
     withdrawn: threading.Event = field(default_factory=threading.Event)
+    holds: int = 0  # connections that hold it (a broken one may have come again meanwhile)
 
 
 class TcpKVServer(TransportServer):
@@ -275,7 +311,8 @@ class TcpKVServer(TransportServer):
 
     io_timeout bounds each wait on a client during a fetch: the send of one layer (so a layer
     must move at no less than its size / io_timeout) and the wait for CONFIRM. idle_timeout closes
-    connections that carry no request for that long.
+    connections that carry no request for that long. With a cluster_token, only clients that
+    prove it are served (`tandem.kv.auth`); handshake_timeout bounds a new client's handshake.
     """
 
     def __init__(
@@ -289,11 +326,16 @@ class TcpKVServer(TransportServer):
         io_timeout: float = 30.0,
         idle_timeout: float = 300.0,
         announcement_ttl: float = 60.0,
+        cluster_token: str | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
+        self._key = derive_kv_key(cluster_token)
+        self._handshake_timeout = handshake_timeout
         self._on_transfer_done = on_transfer_done
         self._on_transfer_held = on_transfer_held
         self._announcement_ttl = announcement_ttl
         self._handoffs: dict[str, _Handoff] = {}
+        self._expiries: deque[tuple[float, str]] = deque()  # (expires, handoff id), in order
         # connections that got an early announcement and wait for the announcement proper
         self._early_waiters: dict[str, socket.socket] = {}
         self._fault = fault
@@ -372,18 +414,15 @@ class TcpKVServer(TransportServer):
         now = time.monotonic()
         with self._lock:  # one section: a wait sent a kept early announcement sees the message
             early_waiter = self._early_waiters.pop(handoff_id, None)
-            if early_waiter is None:
-                for stale in [k for k, h in self._handoffs.items() if h.expires < now]:
-                    del self._handoffs[stale]
-                handoff = self._handoffs.setdefault(handoff_id, _Handoff())
-                handoff.message = message
-                handoff.transfer_id = transfer_id
-                handoff.expires = now + self._announcement_ttl
-                waiter = None if handoff.answered else handoff.waiter
-                handoff.answered = waiter is not None
+            self._drop_expired(now)
+            handoff = self._handoffs.setdefault(handoff_id, _Handoff())
+            handoff.message = message
+            handoff.transfer_id = transfer_id
+            self._expire(handoff_id, handoff, now)
+            waiter = None if handoff.answered else handoff.waiter
+            handoff.answered = handoff.answered or waiter is not None
         if early_waiter is not None:
             self._send_proper(early_waiter, handoff_id, message)
-            return
         if waiter is not None:
             try:
                 self._send_announcement(waiter, handoff)
@@ -411,7 +450,7 @@ class TcpKVServer(TransportServer):
             if handoff.waiter is None:
                 handoff.early_message = message
                 handoff.transfer_id = transfer_id
-                handoff.expires = time.monotonic() + self._announcement_ttl
+                self._expire(handoff_id, handoff, time.monotonic())
                 return True
             if not (handoff.early_wanted and handoff.hold_wanted):
                 return False
@@ -421,7 +460,7 @@ class TcpKVServer(TransportServer):
             waiter = None if handoff.answered else handoff.waiter
             if waiter is not None:
                 handoff.answered = True
-                handoff.message = message
+                handoff.early_message = message
                 handoff.transfer_id = transfer_id
                 handoff.held = True
         if waiter is None:  # it left, or was answered, meanwhile
@@ -461,6 +500,19 @@ class TcpKVServer(TransportServer):
             return False
         return True
 
+    def _expire(self, handoff_id: str, handoff: _Handoff, now: float) -> None:
+        """What the handoff holds is dropped `announcement_ttl` from now (under the lock)."""
+        handoff.expires = now + self._announcement_ttl
+        self._expiries.append((handoff.expires, handoff_id))
+
+    def _drop_expired(self, now: float) -> None:
+        """Forget the handoffs past their expiry that no wait uses (under the lock)."""
+        while self._expiries and self._expiries[0][0] < now:
+            _, handoff_id = self._expiries.popleft()
+            handoff = self._handoffs.get(handoff_id)
+            if handoff is not None and handoff.expires < now and handoff.waiter is None:
+                del self._handoffs[handoff_id]
+
     def _send_proper(self, connection: socket.socket, handoff_id: str, message: dict) -> None:
         """The announcement proper, to a waiter that got the early one."""
         try:
@@ -496,7 +548,7 @@ class TcpKVServer(TransportServer):
     def _accept_loop(self) -> None:
         while not self._closing.is_set():
             try:
-                connection, _ = self._listener.accept()
+                connection, address = self._listener.accept()
             except OSError:
                 if self._closing.is_set():
                     return
@@ -505,7 +557,7 @@ class TcpKVServer(TransportServer):
                 continue
             thread = threading.Thread(
                 target=self._serve_connection,
-                args=(connection,),
+                args=(connection, address),
                 name=f"kv-tcp-conn-{self.port}",
                 daemon=True,
             )
@@ -517,10 +569,11 @@ class TcpKVServer(TransportServer):
                 self._connections_accepted += 1
             thread.start()
 
-    def _serve_connection(self, connection: socket.socket) -> None:
+    def _serve_connection(self, connection: socket.socket, address: Any) -> None:
         header = bytearray(_HEADER.size)
         try:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            serve_handshake(connection, self._key, self._handshake_timeout)
             while not self._closing.is_set():
                 connection.settimeout(self._idle_timeout)
                 message = _recv_header(connection, header)
@@ -535,7 +588,12 @@ class TcpKVServer(TransportServer):
                     self._serve_await(connection, _await_decoder.decode(payload), header)
                 else:
                     self._serve_fetch(connection, _fetch_decoder.decode(payload), header)
-        except (OSError, _ProtocolError, _InjectedDrop, msgspec.DecodeError) as exc:
+        except HandshakeRefused as exc:
+            client = f"{address[0]}:{address[1]}"
+            logger.warning(
+                "KV server on port %d refused a client at %s: %s", self.port, client, exc
+            )
+        except (OSError, HandshakeError, _ProtocolError, _InjectedDrop, msgspec.DecodeError) as exc:
             logger.debug("KV server on port %d: connection ended: %r", self.port, exc)
         except Exception:
             logger.exception("KV server on port %d: connection handler failed", self.port)
@@ -552,7 +610,9 @@ class TcpKVServer(TransportServer):
         the client leaves while waiting (the connection then closes)."""
         handoff_id = request.handoff_id
         with self._lock:
-            handoff = self._handoffs.setdefault(handoff_id, _Handoff())
+            handoff = self._handoffs.get(handoff_id)
+            if handoff is None or handoff.waiter is not None or handoff.answered:
+                handoff = self._handoffs[handoff_id] = _Handoff.renewed(handoff)
             handoff.waiter = connection  # an announcement from now on is sent by `announce`
             handoff.hold_wanted = request.hold
             handoff.early_wanted = request.early
@@ -581,8 +641,7 @@ class TcpKVServer(TransportServer):
                 self._forget_wait(handoff_id, handoff)
                 answer_here = not handoff.answered
                 handoff.answered = True
-                message = handoff.message
-        if message is None:
+        if answer_here and handoff.message is None:
             self._send_error(
                 connection, "timeout", f"nothing was announced for {handoff_id!r} in time"
             )
@@ -600,9 +659,10 @@ class TcpKVServer(TransportServer):
             self._serve_held(connection, handoff.transfer_id, header)
 
     def _forget_wait(self, handoff_id: str, handoff: _Handoff) -> None:
-        """The wait on `handoff` is over (called under the lock): the handoff is no longer
-        listed (a later AWAIT for its id starts afresh) and has no waiter to send to."""
-        if self._handoffs.get(handoff_id) is handoff:
+        """The wait on `handoff` is over (called under the lock): it has no waiter to send to;
+        with nothing announced it is no longer listed (a later AWAIT for its id starts afresh),
+        else it stays until it expires (a later AWAIT gets the announcement again)."""
+        if self._handoffs.get(handoff_id) is handoff and handoff.message is None:
             del self._handoffs[handoff_id]
         handoff.waiter = None
 
@@ -746,7 +806,7 @@ class TcpKVServer(TransportServer):
             if message is None or message[0] != _CONFIRM or message[2] != 0:
                 raise _ProtocolError(f"expected CONFIRM, got {message}")
         except BaseException:
-            self._report_done(transfer_id, transfer, False)
+            self._let_go(transfer_id)
             raise
         self._finish(connection, transfer_id, transfer)
 
@@ -764,20 +824,29 @@ class TcpKVServer(TransportServer):
             self._call_done(transfer_id, True)
 
     def _let_go(self, transfer_id: str) -> None:
-        """A hold ends without CONFIRM: on_transfer_done(id, False) if still published."""
+        """A hold ends without CONFIRM: on_transfer_done(id, False) if still published and held
+        by no other connection (its client may have held it again on a new one)."""
         with self._lock:
             transfer = self._transfers.get(transfer_id)
-        if transfer is not None:
+            if transfer is not None:
+                transfer.holds = max(transfer.holds - 1, 0)
+            last = transfer is not None and transfer.holds == 0
+        if last:
             self._call_done(transfer_id, False)
 
     def _hold(self, transfer_id: str) -> bool:
-        if self._on_transfer_held is None:
-            return True
-        try:
-            return self._on_transfer_held(transfer_id)
-        except Exception:
-            logger.exception("on_transfer_held(%r) failed", transfer_id)
-            return False
+        if self._on_transfer_held is not None:
+            try:
+                if not self._on_transfer_held(transfer_id):
+                    return False
+            except Exception:
+                logger.exception("on_transfer_held(%r) failed", transfer_id)
+                return False
+        with self._lock:
+            transfer = self._transfers.get(transfer_id)
+            if transfer is not None:
+                transfer.holds += 1
+        return True
 
     def _take_fault(self) -> TransportFault | None:
         """The fault to inject into the fetch starting now (call under the lock)."""
@@ -811,9 +880,26 @@ class TcpKVClient(TransportClient):
 
     Thread-safe: concurrent fetches each take their own connection; a connection goes back to the
     idle pool (at most `max_idle_per_peer` per (host, port)) only after a fetch that ended cleanly.
+    A new connection passes the handshake (`tandem.kv.auth`, proving cluster_token if given)
+    within handshake_timeout; a request whose connection broke is tried again, retry_attempts
+    in all, calling on_retry before each new try.
     """
 
-    def __init__(self, *, max_idle_per_peer: int = 8) -> None:
+    def __init__(
+        self,
+        *,
+        max_idle_per_peer: int = 8,
+        cluster_token: str | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+        retry_attempts: int = RETRY_ATTEMPTS,
+        on_retry: Callable[[], None] | None = None,
+    ) -> None:
+        if retry_attempts < 1:
+            raise ValueError("retry_attempts must be >= 1")
+        self._key = derive_kv_key(cluster_token)
+        self._handshake_timeout = handshake_timeout
+        self._retry_attempts = retry_attempts
+        self._on_retry = on_retry
         self._max_idle_per_peer = max_idle_per_peer
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
@@ -834,26 +920,61 @@ class TcpKVClient(TransportClient):
         has recorded the confirmation and forgotten the transfer; its on_transfer_done(id, True)
         runs right after it sent that answer. Raises KVTransferError on timeout (overall deadline),
         connection loss, unknown id, withdrawal or a size mismatch; an exception from on_layer
-        propagates as is."""
+        propagates as is. A fetch tried again after a break gets the layers again (the same
+        bytes) and reports only those not reported before; one that broke with every layer in
+        only confirms."""
         views = [_byte_view(layer) for layer in dest_layers]
-        self._request(host, port, transfer_id, views, timeout, on_layer, release_only=False)
+        num_reported = 0
+
+        def report(index: int) -> None:
+            nonlocal num_reported
+            if index >= num_reported:
+                num_reported = index + 1
+                if on_layer is not None:
+                    on_layer(index)
+
+        def exchange(connection: socket.socket, deadline: float) -> None:
+            if views and num_reported == len(views):
+                self._confirm_again(connection, transfer_id, deadline)
+            else:
+                self._exchange(connection, transfer_id, views, deadline, report)
+
+        self._with_connection(host, port, f"fetch of {transfer_id!r}", timeout, exchange)
 
     def release(self, host: str, port: int, transfer_id: str, *, timeout: float) -> None:
         """Tell the server the transfer is done without fetching it (the decode side needs none
         of its bytes); the server then calls on_transfer_done(id, True). Raises KVTransferError
         as fetch does."""
-        self._request(host, port, transfer_id, [], timeout, None, release_only=True)
+        sent = False
+
+        def exchange(connection: socket.socket, deadline: float) -> None:
+            nonlocal sent
+            if sent:  # on a connection that broke: it may have arrived
+                self._confirm_again(connection, transfer_id, deadline)
+                return
+            sent = True
+            self._exchange(connection, transfer_id, [], deadline, None, release_only=True)
+
+        self._with_connection(host, port, f"release of {transfer_id!r}", timeout, exchange)
+
+    def _confirm_again(self, connection: socket.socket, transfer_id: str, deadline: float) -> None:
+        """A confirmation (or release) whose first connection broke: release the transfer; one
+        the server no longer has was confirmed then (or its lease ended): done either way."""
+        try:
+            self._exchange(connection, transfer_id, [], deadline, None, release_only=True)
+        except KVTransferError as exc:
+            if exc.kind != "not_found":
+                raise
 
     def hold(self, host: str, port: int, transfer_id: str, *, timeout: float) -> TransferHold:
         """Ask the server to hold the transfer (the hold is on its way when this returns).
-        Raises KVTransferError as fetch does; `timeout` bounds the hold's whole life."""
+        Raises KVTransferError as fetch does; `timeout` bounds the hold's whole life. Until
+        HELD, a connection that breaks is replaced and the hold asked for again."""
         deadline = time.monotonic() + timeout
-        peer = (host, port)
-        connection = self._checkout(peer, deadline)
-        what = f"hold of {transfer_id!r}"
-        hold = _TcpTransferHold(self, peer, connection, what, timeout, deadline)
         request = _encoder.encode(_FetchRequest(transfer_id, [], hold=True))
-        hold.step(lambda connection: _send_message(connection, _FETCH, request), last=False)
+        what = f"hold of {transfer_id!r}"
+        hold = _TcpTransferHold(self, (host, port), None, what, timeout, deadline, request=request)
+        self._retrying(deadline, hold.ask)
         return hold
 
     def await_announcement(
@@ -870,7 +991,7 @@ class TcpKVClient(TransportClient):
         `cancelled` is set (checked every AWAIT_POLL_S), and as fetch does otherwise."""
 
         def exchange(connection: socket.socket, deadline: float) -> dict[str, Any]:
-            message, _ = self._await(connection, deadline, handoff_id, timeout, cancelled)
+            message, _ = self._await(connection, deadline, handoff_id, cancelled)
             return message
 
         return self._with_connection(host, port, f"wait for {handoff_id!r}", timeout, exchange)
@@ -896,7 +1017,7 @@ class TcpKVClient(TransportClient):
             connection: socket.socket, deadline: float
         ) -> tuple[dict[str, Any], TransferHold | None]:
             message, flags = self._await(
-                connection, deadline, handoff_id, timeout, cancelled, hold=True, early=early
+                connection, deadline, handoff_id, cancelled, hold=True, early=early
             )
             if not flags & _HELD_FLAG:
                 return message, None
@@ -906,6 +1027,7 @@ class TcpKVClient(TransportClient):
             hold = _TcpTransferHold(
                 self, peer, connection, what, hold_timeout, hold_deadline, held=True
             )
+            hold.handoff_id = handoff_id
             hold.announcement_pending = bool(flags & _EARLY_FLAG)
             return message, hold
 
@@ -923,13 +1045,13 @@ class TcpKVClient(TransportClient):
         connection: socket.socket,
         deadline: float,
         handoff_id: str,
-        timeout: float,
         cancelled: threading.Event | None,
         hold: bool = False,
         early: bool = False,
     ) -> tuple[dict[str, Any], int]:
-        """One AWAIT: the announcement, and its flags (_HELD_FLAG: its transfer is held for
-        this connection; _EARLY_FLAG: an early one)."""
+        """One AWAIT (until the deadline): the announcement, and its flags (_HELD_FLAG: its
+        transfer is held for this connection; _EARLY_FLAG: an early one)."""
+        timeout = max(deadline - time.monotonic(), 0.0)
         request = _encoder.encode(_AwaitRequest(handoff_id, timeout, hold, early))
         connection.settimeout(max(deadline - time.monotonic(), 1e-3))
         _send_message(connection, _AWAIT, request)
@@ -947,21 +1069,6 @@ class TcpKVClient(TransportClient):
         message = _announcement_decoder.decode(_recv_control(connection, length, deadline))
         return message, flags
 
-    def _request(
-        self,
-        host: str,
-        port: int,
-        transfer_id: str,
-        views: list[memoryview],
-        timeout: float,
-        on_layer: Callable[[int], None] | None,
-        release_only: bool,
-    ) -> None:
-        def exchange(connection: socket.socket, deadline: float) -> None:
-            self._exchange(connection, transfer_id, views, deadline, on_layer, release_only)
-
-        self._with_connection(host, port, f"fetch of {transfer_id!r}", timeout, exchange)
-
     def _with_connection(
         self,
         host: str,
@@ -973,25 +1080,49 @@ class TcpKVClient(TransportClient):
     ) -> Any:
         """Run exchange(connection, deadline) on a pooled connection to the peer. A connection
         whose exchange ended with the server's ERROR reply (a KVTransferError) stays usable;
-        one that broke or timed out is closed and the failure raised as a KVTransferError. A
-        result for which keeps_connection is true owns the connection (it is not pooled)."""
+        one that broke is closed and the exchange tried again on another (`_retrying`); the
+        last failure, or a timeout, is raised as a KVTransferError. A result for which
+        keeps_connection is true owns the connection (it is not pooled)."""
         deadline = time.monotonic() + timeout
         peer = (host, port)
-        connection = self._checkout(peer, deadline)
-        try:
-            result = exchange(connection, deadline)
-        except KVTransferError:
-            self._checkin(peer, connection)
-            raise
-        except BaseException as exc:
-            connection.close()  # mid-exchange: nothing else may use it
-            error = _as_transfer_error(exc, what, peer, timeout)
-            if error is None:
+
+        def attempt() -> Any:
+            connection = self._checkout(peer, deadline)
+            try:
+                result = exchange(connection, deadline)
+            except KVTransferError:
+                self._checkin(peer, connection)
                 raise
-            raise error from exc
-        if keeps_connection is None or not keeps_connection(result):
-            self._checkin(peer, connection)
-        return result
+            except BaseException as exc:
+                connection.close()  # mid-exchange: nothing else may use it
+                _raise_transport_error(exc, what, peer, timeout, retryable=True)
+            if keeps_connection is None or not keeps_connection(result):
+                self._checkin(peer, connection)
+            return result
+
+        return self._retrying(deadline, attempt)
+
+    def _retrying(self, deadline: float, attempt: Callable[[], Any]) -> Any:
+        """attempt() again, after a pause, each time it raises _Broken: retry_attempts tries in
+        all, while the pause ends before the deadline; then the last failure is raised."""
+        pause = RETRY_BACKOFF_S
+        for number in range(1, self._retry_attempts + 1):
+            try:
+                return attempt()
+            except _Broken as broken:
+                if number == self._retry_attempts or time.monotonic() + pause >= deadline:
+                    raise broken.error from broken.__cause__
+                logger.warning(
+                    "KV %s; trying again on a new connection (try %d of %d)",
+                    broken.error,
+                    number + 1,
+                    self._retry_attempts,
+                )
+                if self._on_retry is not None:
+                    self._on_retry()
+                time.sleep(pause)
+                pause *= 2
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         """Close every idle connection; later fetches are refused."""
@@ -1063,7 +1194,7 @@ class TcpKVClient(TransportClient):
         raise KVTransferError(error.kind, error.message)  # type: ignore[arg-type]
 
     def _checkout(self, peer: tuple[str, int], deadline: float) -> socket.socket:
-        """An idle live connection to the peer, or a new one."""
+        """An idle live connection to the peer, or a new one (raises as `_connect`)."""
         while True:
             with self._lock:
                 if self._closed:
@@ -1084,8 +1215,9 @@ class TcpKVClient(TransportClient):
                 return
         connection.close()
 
-    @staticmethod
-    def _connect(peer: tuple[str, int], deadline: float) -> socket.socket:
+    def _connect(self, peer: tuple[str, int], deadline: float) -> socket.socket:
+        """A new connection that passed the handshake (by the handshake timeout at most).
+        Raises _Broken when it could not be opened or broke; KVTransferError for the rest."""
         host, port = peer
         try:
             family, kind, proto, _, address = socket.getaddrinfo(
@@ -1098,38 +1230,56 @@ class TcpKVClient(TransportClient):
             _configure_socket(connection)
             connection.settimeout(max(deadline - time.monotonic(), 1e-3))
             connection.connect(address)
+            handshake_deadline = min(deadline, time.monotonic() + self._handshake_timeout)
+            open_handshake(connection, self._key, peer, handshake_deadline)
+        except KVTransferError:
+            connection.close()
+            raise
         except TimeoutError as exc:
             connection.close()
             raise KVTransferError("timeout", f"connecting to {host}:{port} timed out") from exc
         except OSError as exc:
             connection.close()
-            raise KVTransferError("connection", f"cannot connect to {host}:{port}: {exc}") from exc
+            error = KVTransferError("connection", f"cannot connect to {host}:{port}: {exc}")
+            raise _Broken(error) from exc
         return connection
 
 
 class _TcpTransferHold(TransferHold):
     """A hold on one pooled connection: FETCH (hold) sent, then HELD awaited, then CONFIRM; or
-    one an announcement came with (held already: nothing to wait for), then CONFIRM."""
+    one an announcement came with (held already: nothing to wait for), then CONFIRM. Until
+    HELD, or the announcement proper after an early one, a connection that broke is replaced
+    and the hold asked for again (with that announcement)."""
 
     def __init__(
         self,
         client: TcpKVClient,
         peer: tuple[str, int],
-        connection: socket.socket,
+        connection: socket.socket | None,
         what: str,
         timeout: float,
         deadline: float,
         *,
+        request: bytes = b"",
         held: bool = False,
     ) -> None:
         self._client = client
         self._peer = peer
-        self._connection: socket.socket | None = connection
+        self._connection = connection
         self._what = what
         self._timeout = timeout
         self._deadline = deadline
+        self._request = request  # the FETCH (hold) payload, sent again after a break
+        self.handoff_id = ""  # an early announcement's: to wait again after a break
         self._header = bytearray(_HEADER.size)
         self._held = held
+
+    def ask(self) -> None:
+        """Send the FETCH (hold), on a new connection when there is none (the last broke)."""
+        if self._connection is None:
+            self._connection = self._client._checkout(self._peer, self._deadline)
+        request = self._request
+        self.step(lambda c: _send_message(c, _FETCH, request), last=False, retryable=True)
 
     def wait(self) -> None:
         if self._held:
@@ -1144,7 +1294,13 @@ class _TcpTransferHold(TransferHold):
             if message_type != _HELD or length != 0:
                 raise _ProtocolError(f"expected HELD, got message type {message_type}")
 
-        self.step(expect_held, last=False)
+        def attempt() -> None:
+            if self._connection is None:  # the connection the hold went out on broke
+                self.ask()
+            self.step(expect_held, last=False, retryable=True)
+
+        self._ensure_open()
+        self._client._retrying(self._deadline, attempt)
         self._held = True
 
     def announcement(self, cancelled: threading.Event | None = None) -> dict[str, Any]:
@@ -1162,9 +1318,31 @@ class _TcpTransferHold(TransferHold):
             )
             self.announcement_pending = flags == _EARLY_FLAG
 
+        def wait_again(connection: socket.socket) -> None:
+            message, flags = self._client._await(
+                connection, self._deadline, self.handoff_id, cancelled, hold=True
+            )
+            if not flags & _HELD_FLAG:  # the lease ended meanwhile: the copy is not safe
+                raise KVTransferError("aborted", f"{self._what} ended while its connection broke")
+            received.append(message)
+            self.announcement_pending = False
+
+        def attempt() -> None:
+            if self._connection is None:  # it broke: the announcement proper, held anew
+                self._connection = self._client._checkout(self._peer, self._deadline)
+                self.step(wait_again, last=False, retryable=True)
+            else:
+                self.step(receive, last=False, retryable=True)
+
         received: list[dict[str, Any]] = []
-        self.step(receive, last=False)
+        self._ensure_open()
+        self._client._retrying(self._deadline, attempt)
         return received[0]
+
+    def _ensure_open(self) -> None:
+        """Before a retried part: a hold given up (or ended) is not taken up again."""
+        if self._connection is None:
+            raise KVTransferError("aborted", f"{self._what} has ended")
 
     def release(self) -> None:
         def confirm(connection: socket.socket) -> None:
@@ -1178,9 +1356,12 @@ class _TcpTransferHold(TransferHold):
             self._connection.close()
             self._connection = None
 
-    def step(self, exchange: Callable[[socket.socket], None], *, last: bool) -> None:
+    def step(
+        self, exchange: Callable[[socket.socket], None], *, last: bool, retryable: bool = False
+    ) -> None:
         """Run one part of the hold's exchange; the connection goes back to the pool after the
-        last part, or after the server's ERROR reply; it is closed when it broke."""
+        last part, or after the server's ERROR reply; it is closed when it broke (raising
+        _Broken for a retry if `retryable`)."""
         connection = self._connection
         if connection is None:
             raise KVTransferError("aborted", f"{self._what} has ended")
@@ -1193,10 +1374,7 @@ class _TcpTransferHold(TransferHold):
             raise
         except BaseException as exc:
             self.abandon()
-            error = _as_transfer_error(exc, self._what, self._peer, self._timeout)
-            if error is None:
-                raise
-            raise error from exc
+            _raise_transport_error(exc, self._what, self._peer, self._timeout, retryable)
         if last:
             self._connection = None
             self._client._checkin(self._peer, connection)
@@ -1215,6 +1393,19 @@ def _as_transfer_error(
     if isinstance(exc, (OSError, _ProtocolError, msgspec.DecodeError)):
         return KVTransferError("connection", f"{what} from {host}:{port} broke: {exc!r}")
     return None
+
+
+def _raise_transport_error(
+    exc: BaseException, what: str, peer: tuple[str, int], timeout: float, retryable: bool
+) -> NoReturn:
+    """Raise what a broken exchange reports: _Broken for a connection that broke when
+    `retryable`, else the KVTransferError of `_as_transfer_error`; `exc` if not the transport's."""
+    error = _as_transfer_error(exc, what, peer, timeout)
+    if error is None:
+        raise exc
+    if retryable and error.kind == "connection":
+        raise _Broken(error) from exc
+    raise error from exc
 
 
 def _is_alive(connection: socket.socket) -> bool:

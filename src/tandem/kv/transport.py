@@ -14,7 +14,10 @@ the decode worker (client side) and reports what happened; the connector does th
 * Every failure a fetch reports is a `KVTransferError` whose `kind` says what went wrong.
 * A hold (`TransportClient.hold`) is for a decode worker that reads the blocks itself (GPU
   direct): once `wait` returned, the transfer stays published until `release` (which confirms
-  it, as a fetch does) or until the hold breaks (`on_transfer_done(transfer_id, False)`).
+  it, as a fetch does) or until the hold breaks (`on_transfer_done(transfer_id, False)`, once
+  no other hold of it is left: a decode whose connection broke may hold it again).
+* A client retries a request whose connection broke, a few times, within its deadline (a
+  fetch reports each layer once however many tries it took).
 """
 
 from __future__ import annotations
