@@ -5,6 +5,13 @@
 
 Tokenization, detokenization and stop strings belong to the front end (`LLM` offline, the HTTP
 server online), which talks to this core in the same process or through `EngineCoreProcess`.
+
+Faults: what can be pinned on one request fails that request alone (finish reason "error", its
+blocks and KV lease freed): its admission (`admit`), its connector calls and its update after a
+step (the scheduler's). An exception in a whole step (the model's forward of a batch) fails the
+requests of that step and the engine goes on. A step of one request pins the fault on it: no
+request can end the engine. A CUDA error (sticky: no later kernel runs), or MAX_FAILED_STEPS steps
+of several requests failed in a row, raise `FatalEngineError`, which ends the engine.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 from tandem.attention.base import get_backend
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.outputs import EngineCoreOutput
+from tandem.engine.outputs import EngineCoreOutput, KVConnectorOutput
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner, plan_kv_cache
 from tandem.engine.sampler import Sampler
@@ -29,6 +36,35 @@ from tandem.models.loader import load_model, resolve_model
 logger = logging.getLogger(__name__)
 
 ConnectorFactory = Callable[["EngineCore"], KVConnector]
+MAX_FAILED_STEPS = 3  # of several requests, in a row: the engine is broken, not one request
+
+
+class FatalEngineError(RuntimeError):
+    """The engine cannot go on; `outputs` fail the requests of the step that found it out."""
+
+    def __init__(self, message: str, outputs: list[EngineCoreOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
+def is_sticky_device_error(exc: BaseException) -> bool:
+    """A CUDA error leaves the context unusable: every later kernel launch fails too."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return "CUDA error" in str(exc)
+
+
+def transfer_request_ids(report: KVConnectorOutput | None) -> list[str]:
+    """The requests a connector's report moves on (not those whose blocks it frees)."""
+    if report is None:
+        return []
+    return [
+        *report.finished_recving,
+        *report.failed_recving,
+        *report.first_tokens,
+        *report.first_tokens_on_device,
+    ]
 
 
 class EngineCore:
@@ -95,6 +131,7 @@ class EngineCore:
             else min(config.piecewise_cuda_graph_max_tokens, config.max_num_batched_tokens),
         )
         self.grammars = GrammarBackend(self.model_config.vocab_size)
+        self.num_failed_steps = 0  # of several requests, in a row
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model,
@@ -121,6 +158,23 @@ class EngineCore:
             )
         self.scheduler.add_request(request)
 
+    def admit(self, requests: Iterable[Request]) -> list[EngineCoreOutput]:
+        """add_request each; one that raises fails alone: the error outputs of those."""
+        failed = []
+        for request in requests:
+            try:
+                self.add_request(request)
+            except Exception as exc:
+                logger.error("request %s was not admitted", request.request_id, exc_info=exc)
+                error = f"the engine could not admit this request ({type(exc).__name__}: {exc})"
+                if self.scheduler.requests.get(request.request_id) is request:
+                    failed.append(self.scheduler.fail_request(request.request_id, error))
+                else:
+                    failed.append(
+                        EngineCoreOutput(request.request_id, [], finish_reason="error", error=error)
+                    )
+        return failed
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Abort live requests; for one that already finished, end the KV lease it may still
         hold for a remote decoder."""
@@ -138,7 +192,12 @@ class EngineCore:
     def take_finished_transfers(self) -> list[EngineCoreOutput]:
         """Apply the KV transfers that ended since the last call; returns what they output (a
         handoff's first token, a failed load's error). step() starts with this."""
-        return self.scheduler.update_from_connector(self.connector.get_finished())
+        report = None
+        try:
+            report = self.connector.get_finished()
+            return self.scheduler.update_from_connector(report)
+        except Exception as exc:
+            return self._failed_step(exc, transfer_request_ids(report))
 
     def step(self) -> list[EngineCoreOutput]:
         # Transfers first: a request whose KV has just arrived is scheduled in this step.
@@ -148,13 +207,42 @@ class EngineCore:
 
     def step_batch(self) -> list[EngineCoreOutput]:
         """Schedule, run and update one batch, without taking finished transfers first."""
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        try:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.runner.execute(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        except Exception as exc:
+            return self._failed_step(exc, self.scheduler.step_request_ids)
+        self.num_failed_steps = 0
         if self.scheduler.holds_samples:
             # A handoff ran ahead of its first token, whose announcement is most likely in by
             # now (the step waited for the prefill's GPU): both tokens go out with this step.
             outputs.extend(self.take_finished_transfers())
+        return outputs
+
+    def _failed_step(self, exc: Exception, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """A step raised: nothing pins it on one request, so its requests fail (their blocks and
+        leases freed) and the engine goes on, unless it cannot (FatalEngineError)."""
+        request_ids = list(dict.fromkeys(request_ids))
+        if len(request_ids) > 1:  # one request's step failing is that request's fault
+            self.num_failed_steps += 1
+        logger.error(
+            "a step failed (%d in a row): its %d requests fail",
+            self.num_failed_steps,
+            len(request_ids),
+            exc_info=exc,
+        )
+        error = f"the engine's step that ran this request failed ({type(exc).__name__}: {exc})"
+        outputs = self.scheduler.take_failed_outputs()
+        outputs.extend(self.scheduler.fail_request(request_id, error) for request_id in request_ids)
+        if is_sticky_device_error(exc):
+            raise FatalEngineError(f"a CUDA error, after which no kernel runs: {exc}", outputs)
+        if self.num_failed_steps >= MAX_FAILED_STEPS:
+            raise FatalEngineError(
+                f"{self.num_failed_steps} steps failed in a row, the last with "
+                f"{type(exc).__name__}: {exc}",
+                outputs,
+            )
         return outputs
 
     def shutdown(self) -> None:

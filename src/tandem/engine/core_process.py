@@ -9,16 +9,25 @@ Messages are pickled tuples over two ZeroMQ PUSH/PULL sockets on ipc:// addresse
          | ("release_remote", kv_transfer_params) | ("tokenizer", json, eos_token_ids)
          | ("shutdown",)
     out: ("ready", info) | ("error", message) | ("outputs", [EngineCoreOutput], stats)
+         | ("fatal", reason, [EngineCoreOutput])
 The loop blocks on its input only while it has nothing to do; a KV transport thread that
 finishes a load or a remote read wakes it through a pipe, so a loaded request starts at once.
 For `busy_poll_s` after its last work it waits by polling without sleeping, which keeps its CPU
 core awake for the next request (on the GPU hosts an idle core doubled the host time of about
-one prefill step in five, and of most at 1024 tokens). An engine whose API process is gone
-(killed, so it could not send "shutdown") stops the next time it finds nothing to do.
+one prefill step in five, and of most at 1024 tokens).
+
+The engine dies with its API process: on Linux the kernel kills it then (PR_SET_PDEATHSIG);
+elsewhere, or should that fail, the loop stops once its parent is gone (reparented). A request
+that fails in the engine fails alone (see core.py); when the engine cannot go on
+(`FatalEngineError`, or an exception that escapes the core), the loop sends "fatal" with the
+failed step's outputs and the process exits with ENGINE_FAILED_EXIT_CODE: the API process
+answers what is left with 503s and exits, for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import logging
 import os
@@ -43,6 +52,8 @@ STATS_INTERVAL_S = 0.5
 # While the loop spins it holds the GIL most of the time: the KV transport's threads get it
 # within this (Python's default is 5 ms).
 BUSY_POLL_SWITCH_INTERVAL_S = 0.0005
+PR_SET_PDEATHSIG = 1
+ENGINE_FAILED_EXIT_CODE = 70  # EX_SOFTWARE
 
 
 @dataclass(frozen=True)
@@ -71,10 +82,26 @@ def collect_stats(core) -> dict[str, Any]:
     return stats
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux; strictly, when the thread
+    that started it ends: the API process's event loop thread, which lives as long as it does);
+    exit now if the parent died already."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def run_engine_core(
-    config: EngineConfig, kv_config: Any, input_address: str, output_address: str
+    config: EngineConfig,
+    kv_config: Any,
+    input_address: str,
+    output_address: str,
+    api_pid: int,
 ) -> None:
     """Process entry point: build the core, announce it, then step until told to stop."""
+    die_with_parent(api_pid)
     # A terminal's Ctrl-C reaches the whole process group; the API process decides when the
     # engine stops (it finishes or aborts what is in flight first).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -87,7 +114,7 @@ def run_engine_core(
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     try:
-        from tandem.engine.core import EngineCore
+        from tandem.engine.core import EngineCore, FatalEngineError
 
         factory = None
         if kv_config is not None:
@@ -119,12 +146,13 @@ def run_engine_core(
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     poller.register(wake_read, zmq.POLLIN)
-    api_process = os.getppid()
     busy_poll_s = core.config.busy_poll_s
     if busy_poll_s > 0:
         sys.setswitchinterval(BUSY_POLL_SWITCH_INTERVAL_S)
     last_stats = 0.0
     spin_until = 0.0
+    step_outputs: list = []
+    fatal: str | None = None
     try:
         while True:
             scheduler = core.scheduler
@@ -150,34 +178,49 @@ def run_engine_core(
                 if transfer_outputs := core.take_finished_transfers():
                     outputs.send_pyobj(("outputs", transfer_outputs, collect_stats(core)))
                 step_outputs.extend(core.step_batch())
-            elif os.getppid() != api_process:  # reparented: the API process died
+            if os.getppid() != api_pid:  # reparented: the API process died
                 logger.warning("the API process is gone: the engine stops")
                 return
             now = time.monotonic()
             if step_outputs or now - last_stats > STATS_INTERVAL_S:
                 outputs.send_pyobj(("outputs", step_outputs, collect_stats(core)))
                 last_stats = now
+    except FatalEngineError as exc:
+        fatal = str(exc)
+        step_outputs.extend(exc.outputs)
+    except Exception as exc:  # the core's state is unknown: nothing more can be trusted
+        logger.critical("the engine failed outside any request:\n%s", traceback.format_exc())
+        fatal = f"{type(exc).__name__}: {exc}"
     finally:
+        if fatal is not None:
+            logger.critical("the engine cannot go on and exits: %s", fatal)
+            outputs.send_pyobj(("fatal", fatal, step_outputs))
         core.shutdown()
-        context.destroy(linger=0)
+        context.destroy(linger=1000 if fatal is not None else 0)
         os.close(wake_read)
         os.close(wake_write)
+    if fatal is not None:
+        logging.shutdown()
+        os._exit(ENGINE_FAILED_EXIT_CODE)  # no teardown that could touch a broken device
 
 
 def handle_message(core, message: tuple, step_outputs: list) -> bool:
     """Apply one message from the front end; False when it says to shut down."""
     kind = message[0]
-    if kind == "add":
-        for request in message[1]:
-            core.add_request(request)
-    elif kind == "abort":
-        step_outputs.extend(core.abort_requests(message[1]))
-    elif kind == "release_kv":
-        core.connector.release(message[1])
-    elif kind == "release_remote":
-        core.connector.release_remote(message[1])
-    elif kind == "tokenizer":
-        core.set_tokenizer(*message[1:])
+    if kind == "add":  # a request that cannot be admitted fails alone
+        step_outputs.extend(core.admit(message[1]))
+        return True
+    try:
+        if kind == "abort":
+            step_outputs.extend(core.abort_requests(message[1]))
+        elif kind == "release_kv":
+            core.connector.release(message[1])
+        elif kind == "release_remote":
+            core.connector.release_remote(message[1])
+        elif kind == "tokenizer":
+            core.set_tokenizer(*message[1:])
+    except Exception:
+        logger.error("the engine could not apply %r:\n%s", kind, traceback.format_exc())
     return kind != "shutdown"
 
 

@@ -18,10 +18,16 @@ it in `first_tokens_on_device`) may run ahead of the prefill's announcement of t
 otherwise idle engine it is scheduled at once, a stand-in in the token's place that the
 connector replaces on the device, so its step waits on the GPU, not on the host. Its sample is
 held back until the announcement proper brings the first token, which is output first.
+
+Faults: an exception while handling one request (its connector calls at scheduling, its update
+after the step) fails that request alone (`fail_request`: finish reason "error", its blocks and
+whatever the connector holds for it freed); `step_request_ids` names the requests of the last
+schedule, which the engine core fails when a whole step fails.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,6 +44,8 @@ from tandem.engine.outputs import (
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.waiting_queue import WaitingQueue, urgency
 from tandem.kv.base import KVConnector, NoKVConnector, is_pending_handoff
+
+logger = logging.getLogger(__name__)
 
 FIRST_TOKEN_STAND_IN = 0  # a run-ahead handoff's first token until the prefill announces it
 
@@ -77,6 +85,10 @@ class Scheduler:
         # Handoffs running ahead of their first token, with their sample once their step ran.
         self.ahead_of_first_token: dict[str, HeldSample | None] = {}
         self.num_preemptions = 0
+        # The last schedule's requests (scheduled, or their load begun), the one it was on if it
+        # raised included; and the outputs of requests it failed alone, for the engine core.
+        self.step_request_ids: list[str] = []
+        self.failed_outputs: list[EngineCoreOutput] = []
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -85,6 +97,21 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def fail_request(self, request_id: str, error: str) -> EngineCoreOutput:
+        """End a request with an error: its blocks and what the connector holds for it go. One
+        that has finished already (in a step that failed after) gets its lease ended."""
+        request = self.requests.get(request_id)
+        if request is None:
+            self.connector.release(request_id)
+            return EngineCoreOutput(request_id, [], finish_reason="error", error=error)
+        output = self._finish(request, RequestStatus.FINISHED_ERROR)
+        output.error = error
+        return output
+
+    def take_failed_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self.failed_outputs = self.failed_outputs, []
+        return outputs
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = []
@@ -115,12 +142,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
+        self.step_request_ids = []
         if self.waiting.by_priority:  # the most urgent first, the least urgent preempted first
             self.running.sort(key=urgency)
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            self.step_request_ids.append(request.request_id)
             if self.ahead_of_first_token.get(request.request_id) is not None:
                 index += 1  # its next input is known only once its first token is
                 continue
@@ -144,21 +173,32 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            self.step_request_ids.append(request.request_id)
             # prompt logprobs need the whole prompt computed here
             cacheable = request.sampling_params.prompt_logprobs is None
             fresh = request.num_computed_tokens == 0
             hits = self.kv.get_computed_blocks(request) if fresh and cacheable else []
             num_local = request.num_computed_tokens + len(hits) * self.kv.block_size
-            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            try:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_local
+                )
+            except Exception as exc:
+                self._fail_alone(request, "the KV connector could not take it", exc)
+                continue
             if load_async:
                 if not self.kv.allocate_slots(request, num_external, hits):
                     break
                 self.waiting.popleft()
                 request.num_computed_tokens = num_local
                 request.num_cached_tokens = num_local
-                self.connector.update_state_after_alloc(
-                    request, self.kv.block_ids(request.request_id), num_external
-                )
+                try:
+                    self.connector.update_state_after_alloc(
+                        request, self.kv.block_ids(request.request_id), num_external
+                    )
+                except Exception as exc:
+                    self._fail_alone(request, "its KV load could not start", exc)
+                    continue
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.waiting_for_remote[request.request_id] = request
                 continue
@@ -188,21 +228,32 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if (prompt_part := runner_output.prompt_logprobs.get(item.request_id)) is not None:
-                first, entries = prompt_part
-                recorded = len(request.prompt_logprobs) + 1  # prompt tokens 1 .. recorded - 1
-                if first <= recorded:  # a recomputed prompt (after preemption) adds nothing
-                    request.prompt_logprobs.extend(entries[recorded - first :])
-            token_id = runner_output.sampled_token_ids.get(item.request_id)
-            logprobs = runner_output.logprobs.get(item.request_id)
-            if item.request_id in self.ahead_of_first_token:
-                sample = HeldSample(len(item.token_ids), token_id, logprobs)
-                self.ahead_of_first_token[item.request_id] = sample
+            try:
+                output = self._update(request, item, runner_output)
+            except Exception as exc:
+                self._fail_alone(request, "its step's output could not be taken", exc)
                 continue
-            output = self._advance(request, len(item.token_ids), token_id, logprobs)
             if output is not None:
                 outputs.append(output)
+        outputs.extend(self.take_failed_outputs())
         return outputs
+
+    def _update(
+        self, request: Request, item: ScheduledRequest, runner_output: RunnerOutput
+    ) -> EngineCoreOutput | None:
+        """Take one request's part of a step's output; its output, if it has one now."""
+        if (prompt_part := runner_output.prompt_logprobs.get(item.request_id)) is not None:
+            first, entries = prompt_part
+            recorded = len(request.prompt_logprobs) + 1  # prompt tokens 1 .. recorded - 1
+            if first <= recorded:  # a recomputed prompt (after preemption) adds nothing
+                request.prompt_logprobs.extend(entries[recorded - first :])
+        token_id = runner_output.sampled_token_ids.get(item.request_id)
+        logprobs = runner_output.logprobs.get(item.request_id)
+        if item.request_id in self.ahead_of_first_token:
+            sample = HeldSample(len(item.token_ids), token_id, logprobs)
+            self.ahead_of_first_token[item.request_id] = sample
+            return None
+        return self._advance(request, len(item.token_ids), token_id, logprobs)
 
     @property
     def holds_samples(self) -> bool:
@@ -260,6 +311,13 @@ class Scheduler:
             first_token_on_device=start == request.num_prompt_tokens
             and request.request_id in self.ahead_of_first_token,
         )
+
+    def _fail_alone(self, request: Request, what: str, exc: Exception) -> None:
+        """An exception pinned on one request fails it alone (its output waits in
+        failed_outputs); the traceback goes to the log."""
+        logger.error("request %s failed: %s", request.request_id, what, exc_info=exc)
+        error = f"the engine failed on this request: {what} ({type(exc).__name__}: {exc})"
+        self.failed_outputs.append(self.fail_request(request.request_id, error))
 
     def _victim(self, index: int) -> Request:
         """The running request to preempt for the one at `index`: the last one, the newest

@@ -1,0 +1,104 @@
+"""Test-only fault injection for `tandem worker` subprocesses: with this directory on PYTHONPATH
+and TANDEM_TEST_FAULT set to `where:token_id[,where:token_id...]`, the engine raises on purpose
+for a request whose prompt holds that token id.
+
+    admit   admission raises once the scheduler holds the request  (the request fails alone)
+    update  taking its sampled token after a step raises            (the request fails alone)
+    step    the model's forward of the batch that holds it raises   (the batch fails)
+    cuda    that forward raises a CUDA error                         (the engine cannot go on)
+    slow    each step of a batch that holds it first sleeps SLOW_STEP_S (a request that runs
+            for as long as a test needs, whatever the machine's speed)
+
+Nothing is imported or patched until the engine core's module is (a meta path hook patches it
+then), so the API process and every process without the variable run unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+
+TARGET = "tandem.engine.core"
+SLOW_STEP_S = 0.02
+
+
+def parse_faults(value: str) -> dict[str, int]:
+    faults = {}
+    for item in value.split(","):
+        where, _, token_id = item.partition(":")
+        faults[where.strip()] = int(token_id)
+    return faults
+
+
+def install(core_module, faults: dict[str, int]) -> None:
+    scheduler_class = core_module.Scheduler
+    request_class = core_module.Request
+    runner_class = core_module.ModelRunner
+
+    if "admit" in faults:
+        add_request = scheduler_class.add_request
+
+        def failing_add_request(self, request) -> None:
+            add_request(self, request)
+            if faults["admit"] in request.prompt_token_ids:
+                raise RuntimeError("a fault injected in add_request")
+
+        scheduler_class.add_request = failing_add_request
+
+    if "update" in faults:
+        check_stop = request_class.check_stop
+
+        def failing_check_stop(self):
+            if faults["update"] in self.prompt_token_ids:
+                raise KeyError("a fault injected in check_stop")
+            return check_stop(self)
+
+        request_class.check_stop = failing_check_stop
+
+    step_faults = {}  # token id -> (exception type, message)
+    if "step" in faults:
+        step_faults[faults["step"]] = (IndexError, "index out of range in self")
+    if "cuda" in faults:
+        step_faults[faults["cuda"]] = (RuntimeError, "CUDA error: an illegal memory access")
+    slow_token_id = faults.get("slow")
+    if step_faults or slow_token_id is not None:
+        execute = runner_class.execute
+
+        def failing_execute(self, scheduler_output):
+            for item in scheduler_output.requests:
+                for token_id, (error, message) in step_faults.items():
+                    if token_id in item.prompt_token_ids:
+                        raise error(message)
+            if any(slow_token_id in item.prompt_token_ids for item in scheduler_output.requests):
+                time.sleep(SLOW_STEP_S)
+            return execute(self, scheduler_output)
+
+        runner_class.execute = failing_execute
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds TARGET with the other finders and patches the module once it has run."""
+
+    def __init__(self, faults: dict[str, int]) -> None:
+        self.faults = faults
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run_module(module)
+            install(module, self.faults)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if value := os.environ.get("TANDEM_TEST_FAULT"):
+    sys.meta_path.insert(0, PatchOnImport(parse_faults(value)))
