@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tandem.access import CLUSTER_TOKEN_ENV
 from tandem.launcher.cli import DEFAULT_CLUSTER, add_parser, cluster_overrides, run
 from tandem.launcher.cluster import (
     ClusterError,
@@ -15,7 +16,7 @@ from tandem.launcher.cluster import (
     merge_overrides,
     parse_cluster,
 )
-from tandem.launcher.supervisor import Supervisor, plan_processes
+from tandem.launcher.plan import child_environment, expected_router_counts, plan_processes
 from tandem.router.cli import add_parser as add_router_parser
 from tandem.server.cli import add_parser as add_worker_parser
 from tandem.server.reasoning import REASONING_PARSERS
@@ -289,7 +290,45 @@ def test_pd_servers_take_two_gpus_each_and_reach_the_router_as_colocated():
     workers = [router[i + 1] for i, arg in enumerate(router) if arg == "--worker"]
     assert workers == [f"http://127.0.0.1:{port}" for port in (8100, 8101, 8102)]
     assert "--prefill" not in router and "--decode" not in router
-    supervisor = Supervisor(plans, startup_timeout_s=1, stop_timeout_s=1)
-    assert supervisor._expected_router_counts() == {"prefill": 0, "decode": 0, "both": 3}
+    assert expected_router_counts(plans) == {"prefill": 0, "decode": 0, "both": 3}
     cpu = plan_processes(spec, "cpu", num_gpus=0, python="py")[1].argv
     assert cpu[cpu.index("--device") + 1] == "cpu" and "--decode-device" not in cpu
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (PD_ROLES + "cluster_token: hunter2", "cluster_token:"),
+        (PD_ROLES + "router: {cluster_token: hunter2}", "router.cluster_token:"),
+        (
+            PD_ROLES + "router: {extra_args: [--cluster-token, hunter2]}",
+            "router.extra_args (--cluster-token)",
+        ),
+        (
+            PD_ROLES.replace("kv_transport: tcp}}\n", "extra_args: [--api-key=hunter2]}}\n", 1),
+            "roles.prefill.engine.extra_args (--api-key=hunter2)",
+        ),
+    ],
+)
+def test_a_cluster_file_holding_a_secret_is_refused(tmp_path, text, where):
+    """The cluster token (or the API key) does not belong in a file that gets committed, nor
+    on a command line: the refusal says where it is and where the secret goes instead."""
+    with pytest.raises(ClusterError) as refusal:
+        parse_cluster(yaml.safe_load(text), "cluster.yaml")
+    message = str(refusal.value)
+    assert message.startswith(f"cluster.yaml: {where}") and "must not hold a secret" in message
+    assert "--cluster-token or the environment variable TANDEM_CLUSTER_TOKEN" in message
+    config = tmp_path / "cluster.yaml"
+    config.write_text(text)
+    assert run(serve_args("--config", str(config), "--device", "cpu")) == 2
+
+
+def test_secrets_reach_the_children_in_their_environment_only():
+    spec = parse_cluster(merge_overrides(DEFAULT_CLUSTER, {"roles.both.count": 1}))
+    env = child_environment({"PATH": "/bin"}, "the-token", "the-key")
+    assert env == {"PATH": "/bin", CLUSTER_TOKEN_ENV: "the-token", "TANDEM_API_KEY": "the-key"}
+    assert CLUSTER_TOKEN_ENV == "TANDEM_CLUSTER_TOKEN"  # the name the worker and router read
+    without_key = child_environment({"TANDEM_API_KEY": "inherited"}, "t", None)
+    assert without_key == {"TANDEM_API_KEY": "inherited", CLUSTER_TOKEN_ENV: "t"}
+    for plan in plan_processes(spec, "cpu", num_gpus=0):
+        assert not {"the-token", "the-key", "--cluster-token", "--api-key"} & set(plan.argv)

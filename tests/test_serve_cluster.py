@@ -1,6 +1,7 @@
 """The real PD system end to end: `tandem serve` on the default model behind the official openai
 client, compared with a colocated worker, also over a pd server alone; a decode worker killed
-mid-stream behind the router; Ctrl-C on `tandem serve` leaving no process behind."""
+mid-stream behind the router; a decode worker of `tandem serve` SIGKILLed and restarted; Ctrl-C
+on `tandem serve` leaving no process behind."""
 
 from __future__ import annotations
 
@@ -235,7 +236,49 @@ def test_serve_pd_servers_alone_match_colocated(cluster, tmp_path):
             launcher.wait()
 
 
+def decode_worker_of(launcher_pid: int) -> int:
+    """The pid of the launcher's one decode worker."""
+    children = {
+        int(child)
+        for task in Path(f"/proc/{launcher_pid}/task").glob("*/children")
+        for child in task.read_text().split()
+    }
+    (decode,) = [
+        pid for pid in children if b"--role\0decode\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    return decode
+
+
+def test_a_killed_decode_worker_comes_back(cluster):
+    """As the OOM killer would: SIGKILL the decode worker of `tandem serve`. The launcher
+    restarts it on its ports (it used to stop the whole cluster), the worker's engine core dies
+    with it, and the router takes the new worker into its pool and answers through it."""
+    launcher, url = cluster["launcher"], cluster["url"]
+    log = cluster["logs"] / "serve.log"
+    decode = decode_worker_of(launcher.pid)
+    old_group = descendants(decode) | {decode}
+    os.kill(decode, signal.SIGKILL)
+    restarting = "decode-0 exited with code -9; restarting in 1 s (restart 1)"
+    wait_until(lambda: restarting in log.read_text(), 30, "the restart line")
+    wait_until(lambda: not any(alive(pid) for pid in old_group), 10, "the old worker's exit")
+
+    def decode_in_pool() -> bool:
+        return httpx.get(f"{url}/health").json()["workers"]["decode"] == 1
+
+    wait_until(lambda: "decode-0 is healthy again" in log.read_text(), 300, "the new worker")
+    wait_until(decode_in_pool, 30, "the router taking the worker back")
+    assert launcher.poll() is None
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    answer = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=CHAT, temperature=0, max_tokens=20
+    )
+    assert "Paris" in answer.choices[0].message.content
+    new_decode = decode_worker_of(launcher.pid)
+    assert new_decode not in old_group
+
+
 def test_ctrl_c_on_serve_leaves_no_process(cluster):
+    """Also after a restart (the test above): the new worker and its engine core go too."""
     launcher = cluster["launcher"]
     children = descendants(launcher.pid)
     assert len(children) >= 5  # router, two workers, two engine cores

@@ -2,14 +2,17 @@
 
 Flags given on the command line override the file; without a file, the cluster is one prefill
 and one decode worker on the default model; the KV transport is GPU-direct (cuda-ipc) when the
-workers run on GPUs, TCP otherwise. Imports only argparse and
-the standard library at import time.
+workers run on GPUs, TCP otherwise. Secrets come from flags or the environment, never from the
+file: the cluster token (`--cluster-token`, else $TANDEM_CLUSTER_TOKEN, else a fresh random one)
+and the API key reach every child in its environment. Imports only argparse and the standard
+library at import time.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from typing import Any
 
@@ -38,8 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="start a router and its workers on this host",
-        description="Start a router and prefill/decode workers, wait until all are healthy, and "
-        "stop all of them on Ctrl-C or SIGTERM.",
+        description="Start a router and prefill/decode workers, wait until all are healthy, "
+        "restart any that exits, and stop all of them on Ctrl-C or SIGTERM.",
     )
     parser.add_argument("--config", metavar="CLUSTER_YAML", help="cluster description file")
     parser.add_argument("--model", help="model to serve (default: smollm2-135m-instruct)")
@@ -95,6 +98,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "TANDEM_API_KEY, which they also read when this flag is left out)",
     )
     parser.add_argument(
+        "--cluster-token",
+        default=None,
+        help="the cluster's shared secret, which workers and the router prove to each other "
+        "(default: the environment variable TANDEM_CLUSTER_TOKEN, else a fresh random one); "
+        "given to every process in its environment, never on a command line",
+    )
+    parser.add_argument(
         "--allowed-origins",
         nargs="+",
         metavar="ORIGIN",
@@ -116,7 +126,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--startup-timeout",
         type=float,
         default=600.0,
-        help="seconds to wait for every process to be healthy",
+        help="seconds a process gets to be healthy after each start",
+    )
+    parser.add_argument(
+        "--max-start-failures",
+        type=_positive_int,
+        default=3,
+        metavar="N",
+        help="a process that exits (or is not healthy within --startup-timeout) before it was "
+        "ever healthy since its start, N times in a row, stops the cluster; any other exit is "
+        "restarted after a backoff of 1 s doubling to 30 s (default 3)",
     )
     parser.add_argument(
         "--stop-timeout",
@@ -125,6 +144,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="seconds a process gets to exit after SIGTERM before SIGKILL",
     )
     parser.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -161,13 +187,15 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tandem.access import cluster_token_from_env
     from tandem.launcher.cluster import (
         ClusterError,
         load_cluster_file,
         merge_overrides,
         parse_cluster,
     )
-    from tandem.launcher.supervisor import Supervisor, plan_processes, resolve_device
+    from tandem.launcher.plan import child_environment, plan_processes, resolve_device
+    from tandem.launcher.supervisor import Supervisor
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print("tandem serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
@@ -179,18 +207,28 @@ def run(args: argparse.Namespace) -> int:
     except (ClusterError, RuntimeError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
-    if args.api_key:
-        from tandem.access import API_KEY_ENV
-
-        os.environ[API_KEY_ENV] = args.api_key  # the children's, kept off their command lines
-    plans = plan_processes(spec, device, num_gpus)
+    cluster_token = args.cluster_token or cluster_token_from_env()
     roles = spec.roles
     print(
         f"tandem serve: starting {spec.model} on {device}: {roles.prefill.count} prefill, "
         f"{roles.decode.count} decode, {roles.both.count} both, {roles.pd.count} pd",
         flush=True,
     )
+    if cluster_token is None:
+        cluster_token = secrets.token_urlsafe(32)
+        print(
+            "tandem serve: the cluster token is a fresh random one; to register workers of your "
+            "own with this router, give tandem serve one (--cluster-token or "
+            "TANDEM_CLUSTER_TOKEN)",
+            flush=True,
+        )
+    env = child_environment(os.environ, cluster_token, args.api_key)
+    plans = plan_processes(spec, device, num_gpus)
     supervisor = Supervisor(
-        plans, startup_timeout_s=args.startup_timeout, stop_timeout_s=args.stop_timeout
+        plans,
+        startup_timeout_s=args.startup_timeout,
+        stop_timeout_s=args.stop_timeout,
+        max_start_failures=args.max_start_failures,
+        env=env,
     )
     return supervisor.run()

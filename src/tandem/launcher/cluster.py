@@ -19,7 +19,10 @@ that names the problem (`ClusterError`):
   prefill workers to feed them (colocated workers are role `both`);
 * decode workers need a kv_transport when there are prefill workers;
 * a pd server needs nothing beside it: the router sees it as a colocated worker;
-* the router, worker and KV port ranges must not overlap.
+* the router, worker and KV port ranges must not overlap;
+* no secret: a cluster file is the kind of file that gets committed, so the cluster token and the
+  API key come from `tandem serve`'s flags or environment, and a `cluster_token` key or an
+  `extra_args` with `--cluster-token` or `--api-key` is refused.
 A prefill role without a kv_transport takes the decode role's.
 """
 
@@ -34,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tandem import DEFAULT_MODEL
 
 KV_TRANSPORTS = ("auto", "tcp", "cuda-ipc")
+SECRET_FLAGS = ("--cluster-token", "--api-key")  # never in a file, never on a command line
 
 
 class ClusterError(ValueError):
@@ -201,6 +205,34 @@ def check_cluster(spec: ClusterSpec) -> ClusterSpec:
     return spec
 
 
+def _secret_in(node: Any, where: str = "") -> str | None:
+    """Where in plain data a secret sits (a cluster_token key, a secret flag), if anywhere."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key == "cluster_token":
+                return path
+            found = _secret_in(value, path)
+            if found:
+                return found
+    elif isinstance(node, list):
+        for arg in node:
+            if str(arg).split("=", 1)[0] in SECRET_FLAGS:
+                return f"{where} ({arg})"
+    return None
+
+
+def _refuse_secrets(data: dict[str, Any]) -> None:
+    where = _secret_in(data)
+    if where is not None:
+        raise ClusterError(
+            f"{where}: a cluster file must not hold a secret (it is the kind of file that gets "
+            "committed, and the flags it holds show in process lists); give the cluster token "
+            "to tandem serve with --cluster-token or the environment variable "
+            "TANDEM_CLUSTER_TOKEN, the API key with --api-key or TANDEM_API_KEY."
+        )
+
+
 def _first_error(exc: ValidationError) -> str:
     error = exc.errors()[0]
     where = ".".join(str(part) for part in error["loc"])
@@ -217,6 +249,7 @@ def parse_cluster(data: Any, source: str | None = None) -> ClusterSpec:
     if not isinstance(data, dict):
         raise ClusterError(f"{prefix}the top level must be a mapping of keys to values.")
     try:
+        _refuse_secrets(data)
         return check_cluster(ClusterSpec.model_validate(data))
     except ValidationError as exc:
         raise ClusterError(prefix + _first_error(exc)) from None

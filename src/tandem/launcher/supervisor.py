@@ -1,17 +1,26 @@
-"""Starts a cluster's processes, waits until all are healthy, and stops every one of them.
+"""Starts a cluster's processes, keeps them running, and stops every one of them.
 
-Each child (`python -m tandem.cli worker|router ...`) runs in its own process group, so a
-terminal's Ctrl-C reaches only the launcher, which then stops the groups in order: SIGTERM to all,
-SIGKILL to whatever is left after `stop_timeout_s`. On Linux each child also gets
-PR_SET_PDEATHSIG=SIGKILL, so it dies with the launcher even when the launcher is SIGKILLed.
-A child that exits on its own stops the whole cluster, and the launcher exits non-zero naming it.
+Each child (`python -m tandem.cli worker|router ...`, planned by `tandem.launcher.plan`) runs in
+its own process group, so a terminal's Ctrl-C reaches only the launcher, which then stops the
+groups: SIGTERM to all, SIGKILL to whatever is left after `stop_timeout_s` (a second Ctrl-C kills
+at once). On Linux each child also gets PR_SET_PDEATHSIG=SIGKILL, so it dies with the launcher
+even when the launcher is SIGKILLed.
 
-Ports: workers take `worker_port_base + i`, and `kv_port_base + i` for their KV listener, in the
-order prefill, decode, both, pd. With GPUs, the workers take the GPUs in that order (mod the
-number of GPUs), one each as `--device cuda:i`, two for a pd server (`--device cuda:i
---decode-device cuda:i+1`); every worker sees the same GPUs under the same indices, which CUDA
-IPC between them needs. The KV transport `auto` becomes cuda-ipc on GPUs (all workers share this
-host) and tcp on CPUs. The router gets pd servers as colocated (`--worker`) workers.
+Supervision. A child is *healthy* once its `GET /health` answers (a worker 200; the router 200
+or 503, which it answers while no decode worker is in its pool). A child that exits is restarted
+with the same command line, hence on the same ports, after a backoff that starts at
+`initial_backoff_s` and doubles up to `max_backoff_s`; it starts again from `initial_backoff_s`
+once the child had stayed healthy for `backoff_reset_s` before it exited. Before restarting, the
+dead child's process group is SIGKILLed, so no grandchild (an engine core) keeps its ports or
+memory. Meanwhile the router takes the worker out of its pool (failed health checks, refused
+legs) and back in once healthy. A *failed start* is a start that ends before the child was ever
+healthy: it exited, or was not healthy within `startup_timeout_s` (then it is killed).
+`max_start_failures` failed starts in a row of one child stop the whole cluster, and the launcher
+exits 1 naming it.
+
+Readiness: the launcher prints `ready at URL/v1` once, when every child is healthy and the
+router's pool holds at least the workers it started, by role (workers registered by hand in the
+same router add to the pool without delaying readiness).
 """
 
 from __future__ import annotations
@@ -22,91 +31,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
 import httpx
 
-from tandem.launcher.cluster import WORKER_ROLES, ClusterSpec
+from tandem.launcher.plan import ProcessPlan, expected_router_counts
 
 PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class ProcessPlan:
-    name: str  # "prefill-0", ..., "router"
-    argv: tuple[str, ...]
-    url: str
-    role: str  # "prefill" | "decode" | "both" | "pd" | "router"
-
-
-def resolve_device(device: str) -> tuple[str, int]:
-    """("cpu" or "cuda", number of GPUs); `auto` means cuda when torch sees a GPU."""
-    if device == "cpu":
-        return "cpu", 0
-    import torch
-
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cuda" and num_gpus == 0:
-        raise RuntimeError("--device cuda was asked for, but torch sees no GPU")
-    return ("cuda", num_gpus) if num_gpus else ("cpu", 0)
-
-
-def plan_processes(
-    spec: ClusterSpec, device: str, num_gpus: int, python: str = sys.executable
-) -> list[ProcessPlan]:
-    """The workers, then the router, with their command lines (nothing is started)."""
-    transport = "cuda-ipc" if device == "cuda" else "tcp"
-    plans: list[ProcessPlan] = []
-    urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
-    next_gpu = 0  # one GPU per worker, two per pd server (its prefill's, then its decode's)
-    for role in WORKER_ROLES:
-        for index in range(getattr(spec.roles, role).count):
-            slot = len(plans)
-            port = spec.worker_port_base + slot
-            url = f"http://127.0.0.1:{port}"
-            argv = [python, "-m", "tandem.cli", "worker", "--model", spec.model_of(role)]
-            argv += ["--role", role, "--host", "127.0.0.1", "--port", str(port)]
-            if spec.served_model_name:
-                argv += ["--served-model-name", *spec.served_model_name]
-            argv += ["--kv-port", str(spec.kv_port_base + slot), "--device"]
-            if device != "cuda":
-                argv.append(device)
-            elif role == "pd":
-                argv += [f"cuda:{next_gpu % num_gpus}"]
-                argv += ["--decode-device", f"cuda:{(next_gpu + 1) % num_gpus}"]
-                next_gpu += 2
-            else:
-                argv.append(f"cuda:{next_gpu % num_gpus}")
-                next_gpu += 1
-            engine = spec.engine_of(role)
-            if engine.kv_transport == "auto":
-                engine = engine.model_copy(update={"kv_transport": transport})
-            argv += engine.worker_flags()
-            plans.append(ProcessPlan(f"{role}-{index}", tuple(argv), url, role))
-            urls["both" if role == "pd" else role].append(url)  # whole requests, to a router
-    router = spec.router
-    argv = [python, "-m", "tandem.cli", "router", "--host", router.host]
-    argv += ["--port", str(spec.ports.router)]
-    for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--worker")):
-        for url in urls[role]:
-            argv += [flag, url]
-    if router.prefill_policy:
-        argv += ["--prefill-policy", router.prefill_policy]
-    if router.decode_policy:
-        argv += ["--decode-policy", router.decode_policy]
-    if router.allowed_origins:
-        argv += ["--allowed-origins", *router.allowed_origins]
-    if device == "cuda":  # the workers' loops keep awake on GPUs: the router's does as long
-        from tandem.engine.config import BUSY_POLL_CUDA_S
-
-        argv += ["--busy-poll-s", str(BUSY_POLL_CUDA_S)]
-    argv += router.extra_args
-    router_url = f"http://127.0.0.1:{spec.ports.router}"
-    plans.append(ProcessPlan("router", tuple(argv), router_url, "router"))
-    return plans
+POLL_INTERVAL_S = 0.2
 
 
 def _die_with_parent_hook() -> Callable[[], None] | None:
@@ -125,6 +61,27 @@ def _die_with_parent_hook() -> Callable[[], None] | None:
     return hook
 
 
+def _kill_group(process: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class Child:
+    """One planned process and its life under supervision."""
+
+    plan: ProcessPlan
+    backoff_s: float  # the delay before its next restart
+    process: subprocess.Popen[bytes] | None = None  # None while waiting to restart
+    started_at: float = 0.0
+    healthy_since: float | None = None  # None until healthy since its last start
+    restart_at: float = 0.0
+    restarts: int = 0
+    failed_starts: int = 0  # in a row
+
+
 class Supervisor:
     def __init__(
         self,
@@ -132,123 +89,171 @@ class Supervisor:
         *,
         startup_timeout_s: float,
         stop_timeout_s: float,
+        max_start_failures: int = 3,
+        initial_backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        backoff_reset_s: float = 60.0,
+        env: Mapping[str, str] | None = None,
         out: TextIO = sys.stdout,
     ) -> None:
-        self.plans = plans
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        self.max_start_failures = max_start_failures
+        self.initial_backoff_s = initial_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.backoff_reset_s = backoff_reset_s
+        self.env = dict(env) if env is not None else None
         self.out = out
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        self._signal: int | None = None
+        self.children = [Child(plan, initial_backoff_s) for plan in plans]
+        self.router = next(child for child in self.children if child.plan.role == "router")
+        self.expected_counts = expected_router_counts(plans)
+        self._stopping = threading.Event()
+        self._hook = _die_with_parent_hook()
 
     def _say(self, message: str) -> None:
         print(f"tandem serve: {message}", file=self.out, flush=True)
 
-    def _on_signal(self, signum: int, frame: object) -> None:
-        if self._signal is not None:  # a second Ctrl-C: no more waiting
+    def stop(self) -> None:
+        """Ends `supervise` (from a signal handler or another thread); a second call kills."""
+        if self._stopping.is_set():
             self._kill_all(signal.SIGKILL)
-        self._signal = signum
+        self._stopping.set()
 
-    def _start(self) -> None:
-        hook = _die_with_parent_hook()
-        for plan in self.plans:
-            self.processes[plan.name] = subprocess.Popen(
-                plan.argv,
-                start_new_session=True,
-                preexec_fn=hook,
-            )
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop()
 
-    def _dead_child(self) -> str | None:
-        """A message naming the first child that exited, or None while all run."""
-        for plan in self.plans:
-            code = self.processes[plan.name].poll()
-            if code is not None:
-                return f"{plan.name} ({plan.url}) exited with code {code}"
-        return None
+    # ---- one child ----------------------------------------------------------------------------
 
-    def _expected_router_counts(self) -> dict[str, int]:
-        counts = {"prefill": 0, "decode": 0, "both": 0}
-        for plan in self.plans:
-            role = "both" if plan.role == "pd" else plan.role  # as the router counts them
-            if role in counts:
-                counts[role] += 1
-        return counts
+    def _launch(self, child: Child) -> None:
+        child.process = subprocess.Popen(
+            child.plan.argv, start_new_session=True, preexec_fn=self._hook, env=self.env
+        )
+        child.started_at = time.monotonic()
+        child.healthy_since = None
 
-    def _is_ready(self, client: httpx.Client, plan: ProcessPlan) -> bool:
+    def _answers(self, client: httpx.Client, child: Child) -> bool:
         try:
-            response = client.get(plan.url + "/health")
+            status = client.get(child.plan.url + "/health").status_code
         except httpx.HTTPError:
             return False
-        if response.status_code != 200:
-            return False
-        if plan.role != "router":
-            return True
-        try:
-            return response.json().get("workers") == self._expected_router_counts()
-        except ValueError:
-            return False
+        return status == 200 or (child.plan.role == "router" and status == 503)
 
-    def _wait_until_ready(self) -> str | None:
-        """None once every process is healthy, else why the cluster cannot start."""
-        deadline = time.monotonic() + self.startup_timeout_s
-        waiting = list(self.plans)
-        with httpx.Client(timeout=0.5) as client:
-            while waiting:
-                if self._signal is not None:
-                    return "interrupted while starting"
-                dead = self._dead_child()
-                if dead is not None:
-                    return dead
-                if time.monotonic() > deadline:
-                    names = ", ".join(plan.name for plan in waiting)
-                    return f"not healthy after {self.startup_timeout_s:g} s: {names}"
-                waiting = [plan for plan in waiting if not self._is_ready(client, plan)]
-                if waiting:
-                    time.sleep(0.2)
+    def _ended(self, child: Child, why: str) -> str | None:
+        """Schedules the restart of a child that ended (`why`: how); returns why the cluster
+        must stop instead, when this was one failed start too many."""
+        assert child.process is not None
+        _kill_group(child.process, signal.SIGKILL)  # grandchildren holding ports or memory
+        child.process.wait()
+        child.process = None
+        now = time.monotonic()
+        if child.healthy_since is None:
+            child.failed_starts += 1
+            if child.failed_starts >= self.max_start_failures:
+                return (
+                    f"{child.plan.name} ({child.plan.url}) failed to start "
+                    f"{child.failed_starts} times in a row, the last time: {why}"
+                )
+        elif now - child.healthy_since >= self.backoff_reset_s:
+            child.backoff_s = self.initial_backoff_s
+        delay = child.backoff_s
+        child.backoff_s = min(2 * delay, self.max_backoff_s)
+        child.restarts += 1
+        child.restart_at = now + delay
+        self._say(f"{child.plan.name} {why}; restarting in {delay:g} s (restart {child.restarts})")
         return None
 
+    def _tend(self, client: httpx.Client, child: Child) -> str | None:
+        """Moves one child along (restart, health, exit); returns why the cluster must stop."""
+        now = time.monotonic()
+        if child.process is None:
+            if now >= child.restart_at:
+                self._launch(child)
+            return None
+        code = child.process.poll()
+        if code is not None:
+            return self._ended(child, f"exited with code {code}")
+        if child.healthy_since is not None:
+            return None
+        if self._answers(client, child):
+            child.healthy_since = now
+            child.failed_starts = 0
+            if child.restarts:
+                self._say(f"{child.plan.name} is healthy again (restart {child.restarts})")
+        elif now - child.started_at > self.startup_timeout_s:
+            return self._ended(child, f"was not healthy after {self.startup_timeout_s:g} s")
+        return None
+
+    # ---- the cluster --------------------------------------------------------------------------
+
+    def _router_sees_workers(self, client: httpx.Client) -> bool:
+        """Whether the router's pool holds at least the workers started, by role."""
+        try:
+            response = client.get(self.router.plan.url + "/health")
+            counts = response.json().get("workers")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False
+        if response.status_code != 200 or not isinstance(counts, dict):
+            return False
+        return all(
+            isinstance(counts.get(role), int) and counts[role] >= expected
+            for role, expected in self.expected_counts.items()
+        )
+
+    def _is_ready(self, client: httpx.Client) -> bool:
+        return all(
+            child.healthy_since is not None for child in self.children
+        ) and self._router_sees_workers(client)
+
+    def supervise(self) -> int:
+        """Runs the cluster until `stop` (exit status 0) or a child fails to start
+        `max_start_failures` times in a row (1); every child is stopped on return."""
+        ready = False
+        try:
+            for child in self.children:
+                self._launch(child)
+            with httpx.Client(timeout=0.5) as client:
+                while not self._stopping.is_set():
+                    for child in self.children:
+                        problem = self._tend(client, child)
+                        if problem is not None:
+                            prefix = "" if ready else "the cluster did not start: "
+                            self._say(f"{prefix}{problem}; stopping everything")
+                            return 1
+                    if not ready and self._is_ready(client):
+                        ready = True
+                        self._say(f"ready at {self.router.plan.url}/v1")
+                    self._stopping.wait(POLL_INTERVAL_S)
+            self._say("stopping")
+            return 0
+        finally:
+            self._stop_all()
+
+    def run(self) -> int:
+        """`supervise`, stopped by SIGINT or SIGTERM (main thread only)."""
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            return self.supervise()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _processes(self) -> list[subprocess.Popen[bytes]]:
+        return [child.process for child in self.children if child.process is not None]
+
     def _kill_all(self, signum: int) -> None:
-        for process in self.processes.values():
-            try:
-                os.killpg(process.pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for process in self._processes():
+            _kill_group(process, signum)
 
     def _stop_all(self) -> None:
         self._kill_all(signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout_s
-        for process in self.processes.values():
+        for process in self._processes():
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         self._kill_all(signal.SIGKILL)  # stragglers, and grandchildren of exited children
-        for process in self.processes.values():
+        for process in self._processes():
             process.wait()
-
-    def run(self) -> int:
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
-        try:
-            self._start()
-            problem = self._wait_until_ready()
-            if problem is not None:
-                if self._signal is not None:
-                    self._say("stopping")
-                    return 0
-                self._say(f"the cluster did not start: {problem}; stopping everything")
-                return 1
-            self._say(f"ready at {self.plans[-1].url}/v1")
-            while self._signal is None:
-                dead = self._dead_child()
-                if dead is not None:
-                    self._say(f"{dead}; stopping everything")
-                    return 1
-                time.sleep(0.2)
-            self._say("stopping")
-            return 0
-        finally:
-            self._stop_all()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)

@@ -93,12 +93,16 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def create_fake_worker(
-    role: str, model: str, control: FakeControl | None = None, api_key: str | None = None
+    role: str,
+    model: str,
+    control: FakeControl | None = None,
+    api_key: str | None = None,
+    cluster_token: str | None = None,  # passes the API-key check, as with a tandem worker
 ) -> FastAPI:
     control = control or FakeControl()
     stats = FakeStats()
     app = FastAPI()
-    guard(app, api_key, OPEN_PATHS | {"/fake/stats", "/fake/control"})
+    guard(app, api_key, OPEN_PATHS | {"/fake/stats", "/fake/control"}, cluster_token=cluster_token)
     app.state.control = control
     app.state.stats = stats
 
@@ -356,7 +360,7 @@ def serve_fake_worker(
 
     from tandem.router.registration import HeartbeatSender
 
-    app = create_fake_worker(role, model, control, api_key)
+    app = create_fake_worker(role, model, control, api_key, cluster_token)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     if router_url is None:
         server.run()

@@ -1,0 +1,118 @@
+"""What `tandem serve` runs: each process's command line and the environment they all share.
+
+Ports: workers take `worker_port_base + i`, and `kv_port_base + i` for their KV listener, in the
+order prefill, decode, both, pd. With GPUs, the workers take the GPUs in that order (mod the
+number of GPUs), one each as `--device cuda:i`, two for a pd server (`--device cuda:i
+--decode-device cuda:i+1`); every worker sees the same GPUs under the same indices, which CUDA
+IPC between them needs. The KV transport `auto` becomes cuda-ipc on GPUs (all workers share this
+host) and tcp on CPUs. The router gets pd servers as colocated (`--worker`) workers.
+
+Secrets (the API key, the cluster token) never appear on a command line, where any user of the
+host can read them: every child gets them in its environment (`child_environment`), and reads
+them there as the default of its own `--api-key` / `--cluster-token`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tandem.access import API_KEY_ENV, CLUSTER_TOKEN_ENV
+from tandem.launcher.cluster import WORKER_ROLES, ClusterSpec
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    name: str  # "prefill-0", ..., "router"
+    argv: tuple[str, ...]
+    url: str
+    role: str  # "prefill" | "decode" | "both" | "pd" | "router"
+
+
+def resolve_device(device: str) -> tuple[str, int]:
+    """("cpu" or "cuda", number of GPUs); `auto` means cuda when torch sees a GPU."""
+    if device == "cpu":
+        return "cpu", 0
+    import torch
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and num_gpus == 0:
+        raise RuntimeError("--device cuda was asked for, but torch sees no GPU")
+    return ("cuda", num_gpus) if num_gpus else ("cpu", 0)
+
+
+def child_environment(
+    base: Mapping[str, str], cluster_token: str, api_key: str | None
+) -> dict[str, str]:
+    """`base` with the secrets every child of the cluster shares."""
+    env = dict(base)
+    env[CLUSTER_TOKEN_ENV] = cluster_token
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return env
+
+
+def plan_processes(
+    spec: ClusterSpec, device: str, num_gpus: int, python: str = sys.executable
+) -> list[ProcessPlan]:
+    """The workers, then the router, with their command lines (nothing is started)."""
+    transport = "cuda-ipc" if device == "cuda" else "tcp"
+    plans: list[ProcessPlan] = []
+    urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
+    next_gpu = 0  # one GPU per worker, two per pd server (its prefill's, then its decode's)
+    for role in WORKER_ROLES:
+        for index in range(getattr(spec.roles, role).count):
+            slot = len(plans)
+            port = spec.worker_port_base + slot
+            url = f"http://127.0.0.1:{port}"
+            argv = [python, "-m", "tandem.cli", "worker", "--model", spec.model_of(role)]
+            argv += ["--role", role, "--host", "127.0.0.1", "--port", str(port)]
+            if spec.served_model_name:
+                argv += ["--served-model-name", *spec.served_model_name]
+            argv += ["--kv-port", str(spec.kv_port_base + slot), "--device"]
+            if device != "cuda":
+                argv.append(device)
+            elif role == "pd":
+                argv += [f"cuda:{next_gpu % num_gpus}"]
+                argv += ["--decode-device", f"cuda:{(next_gpu + 1) % num_gpus}"]
+                next_gpu += 2
+            else:
+                argv.append(f"cuda:{next_gpu % num_gpus}")
+                next_gpu += 1
+            engine = spec.engine_of(role)
+            if engine.kv_transport == "auto":
+                engine = engine.model_copy(update={"kv_transport": transport})
+            argv += engine.worker_flags()
+            plans.append(ProcessPlan(f"{role}-{index}", tuple(argv), url, role))
+            urls["both" if role == "pd" else role].append(url)  # whole requests, to a router
+    router = spec.router
+    argv = [python, "-m", "tandem.cli", "router", "--host", router.host]
+    argv += ["--port", str(spec.ports.router)]
+    for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--worker")):
+        for url in urls[role]:
+            argv += [flag, url]
+    if router.prefill_policy:
+        argv += ["--prefill-policy", router.prefill_policy]
+    if router.decode_policy:
+        argv += ["--decode-policy", router.decode_policy]
+    if router.allowed_origins:
+        argv += ["--allowed-origins", *router.allowed_origins]
+    if device == "cuda":  # the workers' loops keep awake on GPUs: the router's does as long
+        from tandem.engine.config import BUSY_POLL_CUDA_S
+
+        argv += ["--busy-poll-s", str(BUSY_POLL_CUDA_S)]
+    argv += router.extra_args
+    router_url = f"http://127.0.0.1:{spec.ports.router}"
+    plans.append(ProcessPlan("router", tuple(argv), router_url, "router"))
+    return plans
+
+
+def expected_router_counts(plans: list[ProcessPlan]) -> dict[str, int]:
+    """The workers of `plans` by role, as the router's /health counts them."""
+    counts = {"prefill": 0, "decode": 0, "both": 0}
+    for plan in plans:
+        role = "both" if plan.role == "pd" else plan.role
+        if role in counts:
+            counts[role] += 1
+    return counts
