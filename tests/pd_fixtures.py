@@ -54,12 +54,13 @@ def running_workers(
 
 
 def running_routers(
-    log_dir: Path, prefill_url: str, decode_url: str
+    log_dir: Path, prefill_url: str, decode_url: str, *flags: str
 ) -> contextlib.AbstractContextManager[dict[str, WorkerProcess]]:
     """tandem routers over one prefill and one decode worker, one per flow: "handoff" (both
-    legs at once) and "in sequence" (`--no-handoff`, vLLM's order), started together."""
+    legs at once) and "in sequence" (`--no-handoff`, vLLM's order), started together, each
+    with `flags` too."""
     start = functools.partial(
-        start_tandem, log_dir, "router", "--prefill", prefill_url, "--decode", decode_url
+        start_tandem, log_dir, "router", "--prefill", prefill_url, "--decode", decode_url, *flags
     )
     starts = {"handoff": start, "in sequence": functools.partial(start, "--no-handoff")}
     return running_processes(starts)

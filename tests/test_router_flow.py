@@ -427,6 +427,28 @@ def test_a_refusing_or_dead_prefill_worker_is_retried_on_another(make_cluster):
     assert [worker.url for worker in cluster.pool.available(("prefill",))] == [refusing.url]
 
 
+@pytest.mark.parametrize("status", [500, 502, 504])
+def test_a_worker_error_is_relayed_not_retried_on_another_worker(make_cluster, status: int):
+    """A 5xx other than 503 may be the request's own doing (a worker's 500 is its engine failing
+    on that request): tried on every worker in turn, it would fail, or kill, each of them. It
+    goes to the client as it is; a 503 (the worker cannot take it now) moves the leg on."""
+    cluster = make_cluster(prefill=0, decode=2, decode_policy="round-robin", health_interval_s=30)
+    failing, healthy = cluster.decode
+    failing.control.refuse_status = status
+    body = {"prompt": "r s", "max_tokens": 3}
+    for streamed in (False, True):  # round robin: the failing worker first, then the other
+        response = HTTP.post(cluster.url + "/v1/completions", json=dict(body, stream=streamed))
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["message"] == "the fake worker refuses requests now"
+        assert len(failing.kinds()) == len(healthy.kinds()) + 1  # not tried on the other
+        assert HTTP.post(cluster.url + "/v1/completions", json=body).status_code == 200
+
+    failing.control.refuse_status = 503
+    answer = HTTP.post(cluster.url + "/v1/completions", json=body)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " r s r"
+    assert failing.kinds() == ["plain"] * 3 and healthy.kinds() == ["plain"] * 3
+
+
 def test_tokenize_with_no_worker_answering_is_a_503_naming_them(make_cluster):
     cluster = make_cluster(health_interval_s=30)
     workers = cluster.prefill + cluster.decode

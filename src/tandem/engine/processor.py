@@ -4,10 +4,18 @@ InputProcessor: prompt text, token ids or chat messages -> validated engine `Req
 (one per sample when n > 1, with ids `{request_id}-{index}`).
 OutputProcessor: the engine core's token ids -> per-sequence text deltas, finish reasons and
 logprobs; it reports which requests a stop string ended so the caller can abort them in the core.
+
+A prompt's text is measured before it is tokenized: one token stands for at most so many bytes
+of text (`longest_token_bytes`, from the tokenizer's vocabulary and rules), so a text of more
+than max_model_len times that cannot fit the context and is refused unread (tokenizing a 50 MB
+text takes gigabytes). A token-id prompt is measured before its ids are checked.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,20 +26,73 @@ from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 
 
-def check_unicode(text: str, field_name: str) -> None:
-    """ValueError naming the field when the text holds a lone surrogate (JSON's "\\ud800"
-    escapes allow them; UTF-8, and so the tokenizer, does not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"{field_name} holds a lone surrogate (character {exc.start}), which is not valid "
-            "Unicode; send valid UTF-8 text"
-        ) from None
-
-
 def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}-{index}"
+
+
+# Normalizers that keep at least 1/factor of a text's UTF-8 bytes: Unicode normalization and
+# case folding map a character to characters of no less than a quarter of its bytes (a 4-byte
+# mathematical letter to its ASCII one).
+UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
+# Pre-tokenizers that split text without dropping any of it (unless told to remove matches).
+KEEPING_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation", "Sequence"}
+)
+
+
+def longest_token_bytes(tokenizer: Any) -> int | None:
+    """The most bytes of input text one token can stand for, or None where the tokenizer's
+    rules give no such bound (a normalizer or pre-tokenizer that drops text, unknown text
+    fused into one token). Each vocabulary entry's string is at least as long in UTF-8 as the
+    text it matches (byte-level BPE writes a byte as one or two bytes, "▁" a space as three,
+    "<0x41>" a byte as six); normalization may shrink the text first, by a known factor."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    longest = max((len(token.encode()) for token in tokenizer.get_vocab()), default=1)
+    if model.get("type") == "WordPiece":  # an unknown word of up to so many characters
+        longest = max(longest, 4 * model.get("max_input_chars_per_word", 100))
+    elif model.get("type") != "BPE" or (
+        model.get("unk_token") is not None
+        and model.get("fuse_unk")
+        and not model.get("byte_fallback")
+    ):
+        return None
+    factor = shrink_factor(spec.get("normalizer"))
+    if factor is None or not keeps_text(spec.get("pre_tokenizer")):
+        return None
+    return math.ceil(longest * factor)
+
+
+def shrink_factor(normalizer: dict[str, Any] | None) -> float | None:
+    """By how much a normalizer may shrink a text's UTF-8 bytes at most (None: no bound)."""
+    if normalizer is None:
+        return 1.0
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factors = [shrink_factor(n) for n in normalizer.get("normalizers", [])]
+        return None if None in factors else math.prod(factors)
+    if kind in UNICODE_NORMALIZERS:
+        return 4.0
+    if kind == "Prepend":
+        return 1.0
+    pattern, content = (normalizer.get("pattern") or {}).get("String"), normalizer.get("content")
+    if kind == "Replace" and pattern and content:  # a string for another, not a regex
+        return max(1.0, len(pattern.encode()) / len(content.encode()))
+    return None
+
+
+def keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    """Whether a pre-tokenizer passes every byte of the text on to the model."""
+    if pre_tokenizer is None:
+        return True
+    if pre_tokenizer.get("type") not in KEEPING_PRE_TOKENIZERS:
+        return False
+    if pre_tokenizer.get("behavior") == "Removed":
+        return False
+    return all(keeps_text(p) for p in pre_tokenizer.get("pretokenizers", []))
 
 
 class InputProcessor:
@@ -51,6 +112,45 @@ class InputProcessor:
     def has_fast_tokenizer(self) -> bool:
         return getattr(self.tokenizer, "backend_tokenizer", None) is not None
 
+    @functools.cached_property
+    def bytes_per_token(self) -> int | None:
+        """The most bytes of text one token stands for (None: no bound); worked out on first
+        use (a fraction of a second: the tokenizer's whole vocabulary is read)."""
+        return longest_token_bytes(self.tokenizer)
+
+    def check_text_fits(self, text: str, field_name: str) -> None:
+        """ValueError naming the field when the text holds a lone surrogate (JSON's "\\ud800"
+        escapes allow them; UTF-8, and so the tokenizer, does not), or has more bytes than
+        max_model_len tokens can stand for (before a tokenizer sees it)."""
+        per_token = self.bytes_per_token
+        limit = None if per_token is None else self.max_model_len * per_token
+
+        def too_long(size: str) -> ValueError:
+            return ValueError(
+                f"{field_name}: {size} bytes of text cannot fit in this model's context of "
+                f"{self.max_model_len} tokens (max_model_len), as one token stands for at most "
+                f"{per_token} bytes of text here; send less text"
+            )
+
+        if limit is not None and len(text) > limit:  # characters: no more than its bytes
+            raise too_long(f"at least {len(text)}")
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{field_name} holds a lone surrogate (character {exc.start}), which is not "
+                "valid Unicode; send valid UTF-8 text"
+            ) from None
+        if limit is not None and size > limit:
+            raise too_long(str(size))
+
+    def check_num_tokens(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens but the context length is "
+                f"{self.max_model_len}; shorten the prompt"
+            )
+
     def _require_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send the prompt as a list of token ids")
@@ -62,11 +162,12 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("the prompt is empty; send at least one token")
             self._require_tokenizer()
-            check_unicode(prompt, "prompt")
+            self.check_text_fits(prompt, "prompt")
             return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
-        token_ids = list(prompt)
-        if not token_ids:
+        if not prompt:
             raise ValueError("the prompt is empty; send at least one token")
+        self.check_num_tokens(len(prompt))
+        token_ids = list(prompt)
         self.check_token_ids(token_ids, "prompt")
         return token_ids
 
@@ -87,6 +188,8 @@ class InputProcessor:
         self._require_tokenizer()
         if not messages:
             raise ValueError("messages is empty; send at least one message")
+        texts = [m.get("content") for m in messages]
+        self.check_text_fits("".join(t for t in texts if isinstance(t, str)), "messages")
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
@@ -94,7 +197,7 @@ class InputProcessor:
     def tokenize_rendered_chat(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """A rendered chat template's tokens (the template wrote its special tokens itself,
         so none are added unless asked)."""
-        check_unicode(text, "messages")
+        self.check_text_fits(text, "messages")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def tokenize_chat(
@@ -115,11 +218,7 @@ class InputProcessor:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[Request]:
         num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens but the context length is "
-                f"{self.max_model_len}; shorten the prompt"
-            )
+        self.check_num_tokens(num_prompt)
         if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) exceeds "
@@ -169,6 +268,8 @@ class SequenceDelta:
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first delta
+    # an error's HTTP status: 500 (a bug) unless the server cannot serve now (503: retry)
+    error_status: int = 500
 
 
 @dataclass

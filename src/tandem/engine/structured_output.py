@@ -9,12 +9,18 @@ tokens the grammar allows next; `apply_grammar_masks` turns the batch's sets int
 request ends ("stop") as soon as its grammar is complete. A matcher may wait for a token (the end
 of a reasoning model's reasoning) before it holds anything: the outputs up to that token are
 free, and its grammar starts after it.
+
+The front end bounds what a constraint may cost before it compiles it (`check_constraint_size`):
+its text, and its counted repetitions (`a{1000000}` makes llguidance's lexer spend seconds per
+mask, in the engine's step). llguidance's errors are short (no grammar dump): a message that
+holds the request's grammar would be as large as it.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +28,16 @@ from typing import Any
 import torch
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# A regex's (or a grammar's) token: an escape, a character class, a counted repetition, a
+# parenthesis, or any other character.
+REGEX_TOKEN = re.compile(
+    r"\\.|\[(?:\\.|[^\]\\])*\]"
+    r"|\{\s*(?P<low>\d*)\s*(?:,\s*(?P<high>\d*)\s*)?\}"  # {n}, {m,}, {m,n}, {,n}
+    r"|~\s*(?P<times>\d+)(?:\s*\.\.\s*(?P<upto>\d+))?"  # Lark's ~n and ~m..n
+    r"|[()]|.",
+    re.S,
+)
+COUNTS = ("high", "upto", "low", "times")  # a repetition's largest count is the first given
 
 
 @dataclass(frozen=True)
@@ -58,20 +74,28 @@ class StructuredOutput:
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:
                     raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("the JSON schema must be a JSON object")
-            compiled = self._compile_json(schema)
-        elif kind == "json_object":
-            compiled = self._compile_json({"type": "object"})
         elif kind == "choice":
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("choice must be a list of non-empty strings")
-            compiled = llguidance.grammar_from("choice", json.dumps(self.choice))
-        else:
-            compiled = llguidance.grammar_from(kind, getattr(self, kind))
-        error = llguidance.LLMatcher.validate_grammar(compiled)
+        try:
+            if kind == "json":
+                compiled = self._compile_json(schema)
+            elif kind == "json_object":
+                compiled = self._compile_json({"type": "object"})
+            elif kind == "choice":
+                # One lexeme that matches any of the strings: a rule with one alternative per
+                # string would pass llguidance's limit of 2000 items in a parser row.
+                alternatives = " | ".join(json.dumps(c) for c in self.choice)
+                compiled = llguidance.grammar_from("lark", f"start: CHOICE\nCHOICE: {alternatives}")
+            else:
+                compiled = llguidance.grammar_from(kind, getattr(self, kind))
+            error = llguidance.LLMatcher.validate_grammar(compiled, limits=parser_limits())
+        except (ValueError, RuntimeError, TypeError) as exc:  # what llguidance raises on input
+            error = str(exc)
         if error:
             raise ValueError(f"the {kind} for structured outputs is not valid: {error.strip()}")
         return compiled
@@ -85,6 +109,67 @@ class StructuredOutput:
             else None
         )
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
+
+
+def parser_limits() -> Any:
+    """llguidance's default limits, with short errors (no dump of the grammar and its state)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def check_constraint_size(constraint: dict[str, Any], max_bytes: int, max_repetition: int) -> None:
+    """ValueError saying what to change when a constraint (StructuredOutput's arguments) is
+    over the limits: its text (a schema as JSON, a regex, a grammar, a choice's strings
+    together) longer than max_bytes, or a counted repetition in it over max_repetition."""
+    for kind in ("json", "regex", "grammar", "choice"):
+        value = constraint.get(kind)
+        if value is None:
+            continue
+        if kind == "choice":
+            text = "".join(c for c in value if isinstance(c, str))
+            size = len(text.encode()) + len(value)
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            size = len(text.encode())
+        if size > max_bytes:
+            raise ValueError(
+                f"the {kind} for structured outputs has {size} bytes, over this worker's limit "
+                f"of {max_bytes} (--max-structured-output-bytes): send a smaller one"
+            )
+        repetition = 0 if kind == "choice" else largest_repetition(text)
+        if repetition > max_repetition:
+            raise ValueError(
+                f"the {kind} for structured outputs repeats a part {repetition} times (its "
+                f"counted repetitions, nested ones multiplied), over this worker's limit of "
+                f"{max_repetition} (--max-structured-output-repetition): use smaller counts, "
+                "or * and + for unbounded repetition"
+            )
+
+
+def largest_repetition(text: str) -> int:
+    """The largest count a regex's (or a grammar's) counted repetitions give one of its parts:
+    `a{5}` 5, `(a{10}|b){20}` 200 (nested counts multiply); 0 without any (`a*` is not
+    counted). An upper bound where the text is not a regex (a schema's JSON, a grammar's
+    strings)."""
+    largest = 0
+    inner = [0]  # per open group: the largest repetition inside it so far
+    last = 1  # the repetition of the part a quantifier would repeat
+    for token in REGEX_TOKEN.finditer(text):
+        count = next((token[name] for name in COUNTS if token[name]), None)
+        if count is not None:
+            last *= int(count)
+            inner[-1] = max(inner[-1], last)
+            largest = max(largest, last)
+        elif token.group() == "(":
+            inner.append(0)
+            last = 1
+        elif token.group() == ")":
+            last = max(1, inner.pop() if len(inner) > 1 else 0)
+            inner[-1] = max(inner[-1], last)
+        else:
+            last = 1
+    return largest
 
 
 class GrammarMatcher:
@@ -159,7 +244,9 @@ class GrammarBackend:
             raise ValueError("structured outputs need the model's tokenizer (a fast tokenizer)")
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer, spec.compiled, log_level=0)
+        matcher = llguidance.LLMatcher(
+            self._tokenizer, spec.compiled, log_level=0, limits=parser_limits()
+        )
         return GrammarMatcher(matcher, output_token_ids, after)
 
 

@@ -7,7 +7,11 @@ layer in front of FastAPI (`ProxiedRoutes`); the rest are FastAPI routes. `/toke
 With an API key (`tandem.access`), every endpoint needs `Authorization: Bearer <key>` but
 `/health`, `/version` and `/metrics` (for probes and scrapers) and the registration endpoints,
 which need the cluster token instead and are refused outright when the router has none. The
-router sends its key to the workers too (they share it).
+router sends the cluster token to its workers (its API key, which they share, when it has no
+token).
+The PD fields (`kv_transfer_params`) are the router's to set: they are taken out of every client
+body as it arrives, whatever flow then serves it (a decode worker would otherwise load whatever
+KV, from wherever, a client's fields named).
 The router runs one health round before it serves, so static workers that are up are in the pool
 from the first request on; a registering worker joins once its own health check passes.
 """
@@ -27,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tandem
 from tandem.access import OPEN_PATHS, bearer_matches, guard
+from tandem.limits import BodyLimit, BodyLimits, RequestRefused, decode_json
 from tandem.router.config import Role, RouterConfig
 from tandem.router.metrics import RouterMetrics
 from tandem.router.proxy import Proxy
@@ -34,6 +39,7 @@ from tandem.router.relay import RelayResponse, error_body
 from tandem.router.workers import WorkerPool
 
 PROXIED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+PD_FIELDS = ("kv_transfer_params",)  # set by the router on the legs, never by a client
 REGISTRATION_PATHS = frozenset(
     {"/internal/workers/register", "/internal/workers/heartbeat", "/internal/workers/deregister"}
 )
@@ -52,10 +58,17 @@ def error_response(status: int, message: str, code: str, error_type: str) -> Res
     return Response(error_body(message, error_type, code), status, media_type="application/json")
 
 
-def parse_request_body(raw: bytes) -> dict[str, Any] | Response:
-    """A proxied request's JSON object, or the 400 answer that says what is wrong with it."""
+def parse_request_body(
+    raw: bytes, max_json_depth: int = BodyLimits.max_json_depth
+) -> dict[str, Any] | Response:
+    """A proxied request's JSON object without PD fields, or the 400 answer that says what is
+    wrong with it."""
     try:
-        body = msgspec.json.decode(raw)
+        body = decode_json(raw, msgspec.json.decode, max_json_depth)
+    except RequestRefused as refusal:
+        return error_response(
+            refusal.status, refusal.message, refusal.code, "invalid_request_error"
+        )
     except ValueError:  # msgspec.DecodeError, malformed UTF-8 included
         message = "the request body is not valid JSON"
         return error_response(400, message, "invalid_json", "invalid_request_error")
@@ -65,6 +78,8 @@ def parse_request_body(raw: bytes) -> dict[str, Any] | Response:
     if not isinstance(body.get("stream", False), bool):
         message = "'stream' must be true or false"
         return error_response(400, message, "invalid_stream", "invalid_request_error")
+    for name in PD_FIELDS:
+        body.pop(name, None)
     return body
 
 
@@ -76,9 +91,10 @@ class ProxiedRoutes:
     of the time the router added on loopback, so these two endpoints skip them.
     """
 
-    def __init__(self, app: ASGIApp, proxy: Proxy) -> None:
+    def __init__(self, app: ASGIApp, proxy: Proxy, max_json_depth: int) -> None:
         self.app = app
         self.proxy = proxy
+        self.max_json_depth = max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = PROXIED_PATHS.get(scope["path"]) if scope["type"] == "http" else None
@@ -104,7 +120,7 @@ class ProxiedRoutes:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        body = parse_request_body(b"".join(chunks))
+        body = parse_request_body(b"".join(chunks), self.max_json_depth)
         if isinstance(body, Response):
             return body
         return RelayResponse(self.proxy.handle(endpoint, body))
@@ -132,7 +148,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.pool = pool
     app.state.proxy = proxy
     app.state.metrics = metrics
-    app.add_middleware(ProxiedRoutes, proxy=proxy)
+    app.add_middleware(ProxiedRoutes, proxy=proxy, max_json_depth=config.body_limits.max_json_depth)
+    app.add_middleware(BodyLimit, max_bytes=config.body_limits.max_bytes)  # inside the key check
     guard(app, config.api_key, OPEN_PATHS | REGISTRATION_PATHS, config.allowed_origins)
 
     def refuse_without_cluster_token(request: Request) -> Response | None:

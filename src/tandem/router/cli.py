@@ -6,9 +6,15 @@ Imports only argparse at import time; the server's modules load when the command
 from __future__ import annotations
 
 import argparse
-import os
 
-from tandem.access import ALLOWED_ORIGINS_HELP, API_KEY_HELP, api_key_from_env
+from tandem.access import (
+    ALLOWED_ORIGINS_HELP,
+    API_KEY_HELP,
+    CLUSTER_TOKEN_ENV,
+    api_key_from_env,
+    cluster_token_from_env,
+)
+from tandem.limits import add_body_limit_arguments, body_limits_from_args
 from tandem.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 
 DEFAULTS = RouterConfig()
@@ -67,17 +73,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     security.add_argument(
         "--api-key",
         default=api_key_from_env(),
-        help=API_KEY_HELP + "; sent to the workers too, which share it",
+        help=API_KEY_HELP + "; sent to the workers too, which share it, unless the router has "
+        "a cluster token",
     )
     security.add_argument(
         "--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help=ALLOWED_ORIGINS_HELP
     )
     security.add_argument(
         "--cluster-token",
-        default=os.environ.get("TANDEM_CLUSTER_TOKEN"),
-        help="token workers must present to register (default: $TANDEM_CLUSTER_TOKEN; "
-        "without one, registration is refused)",
+        default=cluster_token_from_env(),
+        help="the cluster's shared secret: workers present it to register (without one, "
+        "registration is refused), and the router sends it to its workers, which take PD "
+        "fields only from its holder; needed for PD security (default: the environment "
+        f"variable {CLUSTER_TOKEN_ENV}, which keeps it out of process lists)",
     )
+    add_body_limit_arguments(parser.add_argument_group("request limits (a 400 or 413 beyond)"))
     timing = parser.add_argument_group("timeouts and health (seconds)")
     timing.add_argument("--connect-timeout", type=float, default=DEFAULTS.connect_timeout_s)
     timing.add_argument(
@@ -150,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefix_balance_threshold=args.prefix_balance_threshold,
         handoff=not args.no_handoff,
         busy_poll_s=args.busy_poll_s,
+        body_limits=body_limits_from_args(args),
         log_level=args.log_level,
     )
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tandem.limits import BodyLimits
+
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 
@@ -33,8 +35,9 @@ class RouterConfig:
     both_urls: tuple[str, ...] = ()
     prefill_policy: str = "prefix-aware"
     decode_policy: str = "least-outstanding"
-    api_key: str | None = None
+    api_key: str | None = None  # what clients must send
     allowed_origins: tuple[str, ...] = ()  # browser origins answered (CORS)
+    # the cluster's secret: what registering workers send, and what the router sends workers
     cluster_token: str | None = None
     # Upstream calls: connecting, waiting for the prefill answer, and the longest silence
     # tolerated on a decode or plain leg.
@@ -56,7 +59,15 @@ class RouterConfig:
     handoff: bool = True
     # How long the router's loop keeps polling without sleeping after its last request (0: off).
     busy_poll_s: float = 0.0
+    body_limits: BodyLimits = BodyLimits()  # a client body's size and JSON depth
     log_level: str = "info"
+
+    @property
+    def worker_bearer(self) -> str | None:
+        """The bearer token of the router's calls to workers: the cluster token, which lets
+        its requests through a worker's API key and lets them carry PD fields; else the API
+        key, which the workers share."""
+        return self.cluster_token or self.api_key
 
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls", "both_urls"):

@@ -18,11 +18,13 @@ goes unchanged to a decode or `both` worker and its answer is relayed.
 
 Invariants:
 * Nothing is sent to the client before the first leg answered, so until then a worker that is
-  down or refuses (connection refused, 429, 5xx) is replaced by another one, up to
-  `max_attempts` tries (a dropped connection gets one more try on the same worker: it may be an
-  idle pooled connection the worker had closed); a worker's 4xx is relayed unchanged with its
-  status. The decode leg is also retried on another
-  decode worker while none of its bytes reached the client (the prefill lease still holds the KV).
+  down or cannot take the request now (connection refused or dropped with no answer, 429, 503)
+  is replaced by another one, up to `max_attempts` tries (a dropped connection gets one more try
+  on the same worker: it may be an idle pooled connection the worker had closed). Any other
+  answer is relayed unchanged with its status: a 4xx is the client's, and a 500 (502, 504) may
+  be the request's own doing, which on every worker in turn would fail it (or kill it) again.
+  The decode leg is also retried on another decode worker while none of its bytes reached the
+  client (the prefill lease still holds the KV).
 * After the first byte, a failure ends the stream with an error event and `data: [DONE]`.
 * The prefill lease is released (`POST /v1/kv/release`) whenever the decode leg never answered
   200 or failed mid-stream; a client that leaves mid-decode is left to the decode worker, which
@@ -69,8 +71,9 @@ logger = logging.getLogger("tandem.router")
 Flow = AsyncGenerator[ResponseHead | bytes, None]
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-# Answers that mean "this worker cannot take it now": the leg moves to another worker.
-REFUSAL_STATUSES = frozenset({429, 500, 502, 503, 504})
+# Answers that mean "this worker cannot take it now" (queue full, engine dead, draining): the leg
+# moves to another worker. Other 5xx are relayed: the request itself may have caused them.
+REFUSAL_STATUSES = frozenset({429, 503})
 PREFILL_KV_REQUEST = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -234,7 +237,8 @@ class Proxy:
         # Idle upstream connections are dropped before a worker's keep-alive timeout (uvicorn:
         # 5 s) can close them under a request.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
-        headers = {"authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        bearer = self.config.worker_bearer  # every call to a worker, health checks included
+        headers = {"authorization": f"Bearer {bearer}"} if bearer else {}
         self._session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, headers=headers
         )

@@ -1,5 +1,7 @@
 """The worker's HTTP server: the OpenAI API over one engine, plus health, metrics and the PD
-extensions (kv_transfer_params in and out, `POST /v1/kv/release`).
+extensions (kv_transfer_params in and out, `POST /v1/kv/release`). A worker with a cluster token
+takes those only from the cluster (`tandem.access`; 403 otherwise); the engine client checks the
+fields themselves (`tandem.kv.params`; 400) before the engine sees the request.
 
 Every error a client can cause is an OpenAI-style error object with a 4xx status; a 5xx means a
 bug. A client that disconnects aborts its request in the engine at once. With an API key, every
@@ -24,9 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tandem
-from tandem.access import guard
+from tandem.access import from_cluster, guard
 from tandem.engine.processor import SequenceDelta
-from tandem.server.engine_client import AsyncEngineClient, QueueFullError
+from tandem.engine.sampling_params import SamplingParams
+from tandem.limits import BodyLimits, FieldLimits, limit_fastapi_bodies
+from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, QueueFullError
 from tandem.server.metrics import WorkerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -49,10 +53,13 @@ from tandem.server.tool_calls import (
 
 
 class ClientError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -69,8 +76,13 @@ class ServerSettings:
     chat_template: str | None = None  # used instead of the model's
     trust_request_chat_template: bool = False  # a request may bring its own template
     api_key: str | None = None  # wanted as a bearer token on all but the open endpoints
+    # the cluster's secret: with it, only requests bearing it may set PD fields or release KV
+    cluster_token: str | None = None
     allowed_origins: tuple[str, ...] = ()  # browser origins answered (CORS)
     scheduling_policy: str = "fcfs"  # the engine's: a request's priority counts under "priority"
+    body_limits: BodyLimits = BodyLimits()  # a request body's size and JSON depth
+    field_limits: FieldLimits = FieldLimits()  # stop strings, logit_bias, structured outputs
+    max_waiting: int = 1024  # the engine's queue: the most sequences one request may start
 
 
 @dataclass
@@ -90,13 +102,21 @@ class Choice:
     arguments_sent: list[int] = field(default_factory=list)  # per tool call begun (streamed)
 
 
-def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def _error(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status)
 
 
 def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tandem worker", docs_url=None, redoc_url=None)
-    guard(app, settings.api_key, allowed_origins=settings.allowed_origins)
+    limit_fastapi_bodies(app, settings.body_limits)  # inside the API key's check
+    guard(
+        app,
+        settings.api_key,
+        allowed_origins=settings.allowed_origins,
+        cluster_token=settings.cluster_token,
+    )
     metrics = WorkerMetrics(settings.served_model_name)
     client.stats_listener = metrics.update_from_stats
     app.state.client = client
@@ -113,7 +133,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(ClientError)
     async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
-        return _error(str(exc), exc.status, exc.param)
+        return _error(str(exc), exc.status, exc.param, exc.code)
 
     @app.get("/health")
     async def health() -> Response:
@@ -151,9 +171,24 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def require_cluster(raw: Request, message: str, code: str, param: str | None = None) -> None:
+        """With a cluster token, PD fields and KV releases are the cluster's alone (a 403)."""
+        if settings.cluster_token is not None and not from_cluster(
+            raw.headers, settings.cluster_token
+        ):
+            raise ClientError(message, 403, param, code)
+
     @app.post("/v1/kv/release")
-    async def release_kv(body: KVReleaseRequest) -> dict[str, Any]:
-        await client.release_kv(body.remote_request_id)
+    async def release_kv(body: KVReleaseRequest, raw: Request) -> dict[str, Any]:
+        message = "KV leases are released by the cluster's router, not by clients"
+        require_cluster(raw, message, "kv_release_forbidden")
+        if not await client.release_kv(body.remote_request_id):
+            raise ClientError(
+                f"no KV lease {body.remote_request_id!r} is held here: it was released, it "
+                "expired, or this worker never handed it out",
+                404,
+                "remote_request_id",
+            )
         return {"released": body.remote_request_id}
 
     def check_model(model: str | None) -> None:
@@ -171,9 +206,9 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ClientError("send either prompt or messages")
         if body.messages is not None:
-            token_ids = tokenize_messages(body.messages, body, bool(body.add_special_tokens))
+            token_ids = await tokenize_messages(body.messages, body, bool(body.add_special_tokens))
         else:
-            token_ids = tokenize(body.prompt, body.add_special_tokens is not False)
+            token_ids = await tokenize(body.prompt, body.add_special_tokens is not False)
         token_strs = None
         if body.return_token_strs:
             token_strs = require_tokenizer("return_token_strs").convert_ids_to_tokens(token_ids)
@@ -198,8 +233,16 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             raise ClientError("this model has no tokenizer (a config without weights)", param=param)
         return client.tokenizer
 
-    def check_common(body: SamplingFields) -> None:
+    def check_common(body: SamplingFields, raw: Request) -> None:
         check_model(body.model)
+        if body.kv_transfer_params is not None and settings.role != "pd":
+            require_cluster(
+                raw,
+                "kv_transfer_params are set by the cluster's router, not by clients: send the "
+                "request without them",
+                "pd_fields_forbidden",
+                "kv_transfer_params",
+            )
         if body.priority and settings.scheduling_policy != "priority":
             raise ClientError(
                 "priority needs a worker started with --scheduling-policy priority; send "
@@ -228,31 +271,53 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
                 param="stream",
             )
 
+    def check_field_limits(body: SamplingFields) -> None:
+        try:
+            body.check_limits(settings.field_limits)
+        except ValueError as exc:  # FieldError names its field
+            raise ClientError(str(exc), param=getattr(exc, "param", None)) from exc
+
+    async def sampling_params(
+        body: SamplingFields, logprobs: int | None, structured_output_after: int | None = None
+    ) -> SamplingParams:
+        """The request's engine settings, once for all its prompts; a structured output's
+        grammar compiles off the event loop (a large one takes a while)."""
+        defaults = client.sampling_defaults if settings.use_generation_config else {}
+        try:
+            if body.wants_structured_output():
+                params = await asyncio.to_thread(body.sampling_params, logprobs, defaults)
+            else:
+                params = body.sampling_params(logprobs, defaults)
+        except ValueError as exc:
+            raise ClientError(str(exc), param=getattr(exc, "param", None)) from exc
+        if structured_output_after is not None:
+            params = params.with_updates(structured_output_after=structured_output_after)
+        return params
+
     async def start(
-        request_id: str,
-        prompt_ids: list[int],
-        body: SamplingFields,
-        logprobs: int | None,
-        structured_output_after: int | None = None,
+        request_id: str, prompt_ids: list[int], body: SamplingFields, params: SamplingParams
     ) -> PrimedStream:
         """Validate, submit and return the request's delta stream, primed: admission errors
         surface here as ClientErrors, before any response byte is written."""
         try:
-            defaults = client.sampling_defaults if settings.use_generation_config else {}
-            params = body.sampling_params(logprobs, defaults)
-            if structured_output_after is not None:
-                params = params.with_updates(structured_output_after=structured_output_after)
             stream = client.generate(request_id, prompt_ids, params, body.kv_transfer_params)
             first = await anext(stream)
-        except QueueFullError as exc:
+        except (QueueFullError, EngineDeadError) as exc:
             raise ClientError(str(exc), 503) from exc
-        except ValueError as exc:
-            raise ClientError(str(exc)) from exc
+        except ValueError as exc:  # KVParamsError names its field
+            raise ClientError(str(exc), param=getattr(exc, "param", None)) from exc
+        if first.finish_reason == "error":  # failed before its first token: a 5xx, no stream
+            await stream.aclose()
+            check_error(first)
         metrics.prompt_tokens.labels(settings.served_model_name).inc(len(prompt_ids))
         return PrimedStream(first, stream)
 
-    def tokenize(prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    async def tokenize(prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """A prompt's token ids; text is tokenized off the event loop (a long text takes a
+        while, and other requests go on meanwhile)."""
         try:
+            if isinstance(prompt, str):
+                return await asyncio.to_thread(client.inputs.tokenize, prompt, add_special_tokens)
             return client.inputs.tokenize(prompt, add_special_tokens)
         except ValueError as exc:
             raise ClientError(str(exc), param="prompt") from exc
@@ -279,13 +344,17 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             )
         return options
 
-    def tokenize_messages(
+    async def tokenize_messages(
         messages: list[ChatMessage], body: ChatTemplateFields, add_special_tokens: bool
     ) -> list[int]:
+        """The chat's token ids, its template rendered and tokenized off the event loop."""
         options = template_options(body)
         try:
-            return client.inputs.tokenize_chat(
-                [m.as_template_input() for m in messages], add_special_tokens, **options
+            return await asyncio.to_thread(
+                client.inputs.tokenize_chat,
+                [m.as_template_input() for m in messages],
+                add_special_tokens,
+                **options,
             )
         except ValueError as exc:
             raise ClientError(str(exc), param="messages") from exc
@@ -294,14 +363,23 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        check_common(body)
+        check_common(body, raw)
+        check_field_limits(body)
         prompts = body.prompts()
-        prompt_ids = [tokenize(p, body.add_special_tokens) for p in prompts]
+        if len(prompts) * body.n > settings.max_waiting:
+            raise ClientError(
+                f"this request starts {len(prompts) * body.n} sequences ({len(prompts)} prompts, "
+                f"n={body.n} each), more than this worker's queue holds ({settings.max_waiting}, "
+                "--max-waiting): send fewer prompts per request, or a smaller n",
+                param="prompt",
+            )
+        prompt_ids = [await tokenize(p, body.add_special_tokens) for p in prompts]
         if body.kv_transfer_params and len(prompts) != 1:
             raise ClientError("a PD request must hold exactly one prompt", param="prompt")
         base_id = client.new_request_id()
+        params = await sampling_params(body, body.logprobs)
         starts = [
-            functools.partial(start, f"{base_id}-p{i}", ids, body, body.logprobs)
+            functools.partial(start, f"{base_id}-p{i}", ids, body, params)
             for i, ids in enumerate(prompt_ids)
         ]
         writer = CompletionWriter(client, settings, body, f"cmpl-{base_id}", prompts, prompt_ids)
@@ -309,7 +387,8 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        check_common(body)
+        check_common(body, raw)
+        check_field_limits(body)
         if body.auto_tool_choice() and settings.tool_call_parser is None:
             raise ClientError(
                 'tool_choice "auto" (the default when tools are given) needs a worker started '
@@ -320,11 +399,11 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             )
         if body.auto_tool_choice() and settings.tool_call_parser in KEEPS_SPECIAL_TOKENS:
             body.skip_special_tokens = False  # the calls' markers are special tokens
-        prompt_ids = tokenize_messages(body.messages, body, body.add_special_tokens)
+        prompt_ids = await tokenize_messages(body.messages, body, body.add_special_tokens)
         base_id = client.new_request_id()
         writer = ChatWriter(client, settings, body, f"chatcmpl-{base_id}", [prompt_ids])
-        logprobs, after = body.num_logprobs(), writer.structured_output_after
-        starts = [functools.partial(start, base_id, prompt_ids, body, logprobs, after)]
+        params = await sampling_params(body, body.num_logprobs(), writer.structured_output_after)
+        starts = [functools.partial(start, base_id, prompt_ids, body, params)]
         return await respond(raw, body, starts, writer)
 
     async def respond(raw: Request, body: SamplingFields, starts, writer) -> Response:
@@ -570,7 +649,8 @@ class ResponseWriter:
                     choice.finish_reason = delta.finish_reason
                     cached += delta.num_cached_tokens
                 if delta.finish_reason == "error":
-                    yield {"error": error_body(delta.error or "the request failed", 500)["error"]}
+                    message = delta.error or "the request failed"
+                    yield {"error": error_body(message, delta.error_status)["error"]}
                     return
                 wants_ids = self.body.return_token_ids and delta.token_ids
                 if delta.text or delta.finish_reason is not None or delta.logprobs or wants_ids:
@@ -722,11 +802,9 @@ class ChatWriter(ResponseWriter):
 
     @functools.cached_property
     def is_structured(self) -> bool:
-        """A structured output or a forced tool call holds (part of) the answer."""
-        try:
-            return self.body.structured_output() is not None
-        except ValueError:  # an unusable constraint: the request's start refuses it (a 400)
-            return False
+        """A structured output or a forced tool call holds (part of) the answer (an unusable
+        one too: the request's params refuse it, a 400)."""
+        return self.body.wants_structured_output()
 
     @functools.cached_property
     def structured_output_after(self) -> int | None:
@@ -908,7 +986,7 @@ def new_tool_call(name: str, arguments: str) -> dict[str, Any]:
 
 def check_error(delta: SequenceDelta) -> None:
     if delta.finish_reason == "error":
-        raise ClientError(delta.error or "the request failed", 500)
+        raise ClientError(delta.error or "the request failed", delta.error_status)
 
 
 class LatencyTracker:

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.access import ALLOWED_ORIGINS_HELP, API_KEY_HELP, api_key_from_env
+from tandem.access import (
+    ALLOWED_ORIGINS_HELP,
+    API_KEY_HELP,
+    CLUSTER_TOKEN_ENV,
+    api_key_from_env,
+    cluster_token_from_env,
+)
 from tandem.engine.cli import add_engine_arguments, engine_config_from_args
+from tandem.limits import add_body_limit_arguments, add_field_limit_arguments
 from tandem.server.reasoning import REASONING_PARSERS
 from tandem.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -84,6 +91,9 @@ def add_parser(subparsers) -> None:
         help="split chat answers' reasoning off their content (message and delta field "
         "`reasoning`, and `reasoning_content`): deepseek_r1 (DeepSeek-R1, QwQ), qwen3",
     )
+    limits = parser.add_argument_group("request limits (a request over one is a 400 or 413)")
+    add_body_limit_arguments(limits)
+    add_field_limit_arguments(limits)
     kv = parser.add_argument_group("KV transfer (PD)")
     kv.add_argument("--kv-transport", default=None, choices=["tcp", "cuda-ipc"])
     kv.add_argument("--kv-host", default=None, help="address decode workers reach (default --host)")
@@ -94,7 +104,15 @@ def add_parser(subparsers) -> None:
     kv.add_argument("--kv-fault", default=None, help=argparse.SUPPRESS)  # fault injection, tests
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--router", default=None, help="router URL to register with")
-    cluster.add_argument("--cluster-token", default=None, help="token the router expects")
+    cluster.add_argument(
+        "--cluster-token",
+        default=cluster_token_from_env(),
+        help="the cluster's shared secret: presented to the router on registration, the only "
+        "bearer allowed to set kv_transfer_params or release KV leases here, and what KV "
+        "peers prove to each other. Needed for PD security: without it, anyone who reaches "
+        "this worker or its KV port may use them (default: the environment variable "
+        f"{CLUSTER_TOKEN_ENV}, which keeps it out of process lists)",
+    )
     cluster.add_argument("--advertise-url", default=None, help="URL the router should use")
     parser.set_defaults(func=run)
 

@@ -3,11 +3,19 @@
 It owns the tokenizer and the output processor: requests go to the core as token ids; token ids
 come back and are detokenized here, so the core's step loop never does text work. Each live
 request has an asyncio queue that the output loop fills with `SequenceDelta`s.
+
+A request the engine fails (or whose output cannot be detokenized here) ends with an error delta
+(status 500) and is aborted in the core; the others go on. The engine process is watched (its
+sentinel): the moment it dies, this client is unhealthy, every request in flight ends with a 503
+error delta, new ones are refused (`EngineDeadError`, 503), nothing more is sent to the engine,
+and `death_listener` is told (the worker then exits, for its supervisor to restart it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import multiprocessing
 import os
 import tempfile
@@ -31,6 +39,12 @@ from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import tokenizer_json
 from tandem.kv.base import is_pending_handoff
+from tandem.kv.params import HandedOutLeases, WorkerKV, parse_kv_transfer_params
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DIED = "the engine process died; retry"
+LAST_OUTPUTS_WAIT_MS = 50  # for what a dead engine sent last (its failed step's errors)
 
 
 class EngineStartError(RuntimeError):
@@ -39,6 +53,10 @@ class EngineStartError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; the client should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone: this worker takes no more requests (503) and exits soon."""
 
 
 class RequestStream:
@@ -79,7 +97,7 @@ class RequestStream:
             client.outputs.discard(child_id)
         del client._children[self.request_id]
         if self.pending:
-            await client._input.send_pyobj(("abort", list(self.pending)))
+            await client._send(("abort", list(self.pending)))
 
 
 class AsyncEngineClient:
@@ -93,6 +111,9 @@ class AsyncEngineClient:
         self.sampling_defaults: dict[str, Any] = {}  # the model's generation config's
         self.inputs: InputProcessor | None = None
         self.outputs: OutputProcessor | None = None
+        self.kv_worker: WorkerKV | None = None  # what a request's kv_transfer_params must fit
+        # the lease ids this (prefill) worker's answers gave out, for POST /v1/kv/release
+        self.leases = HandedOutLeases(kv_config.lease_timeout_s if kv_config else 0.0)
         self._queues: dict[str, asyncio.Queue] = {}  # child request id -> deltas
         self._children: dict[str, list[str]] = {}  # request id -> child ids
         self._num_unstarted = 0
@@ -101,13 +122,21 @@ class AsyncEngineClient:
         self._context = zmq.asyncio.Context()
         self._socket_dir = tempfile.mkdtemp(prefix="tandem-")
         self.healthy = False
+        self.dead = False  # the engine process died
         self.stats_listener: Callable[[dict[str, Any]], None] | None = None
+        # told, with the cause, once the engine process has died (not when shut down)
+        self.death_listener: Callable[[str], None] | None = None
+        self._died: asyncio.Future | None = None  # done when the engine process died
+        self._death_cause: str | None = None  # what the engine said before it went, if it did
+        self._stopping = False
+        self._death_task: asyncio.Task | None = None
 
     # -- life cycle ------------------------------------------------------------------------------
 
     async def start(self, front_end: Awaitable[tuple[Any, dict[str, Any]]] | None = None) -> None:
         """Start the core process and load the front end (tokenizer, sampling defaults) while it
         starts, or take `front_end`, loaded by whoever shares it."""
+        self._died = asyncio.get_running_loop().create_future()
         input_address = f"ipc://{self._socket_dir}/in"
         output_address = f"ipc://{self._socket_dir}/out"
         self._input = self._context.socket(zmq.PUSH)
@@ -116,11 +145,13 @@ class AsyncEngineClient:
         self._output.bind(output_address)
         self._process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(self.config, self.kv_config, input_address, output_address),
+            args=(self.config, self.kv_config, input_address, output_address, os.getpid()),
             name="tandem-engine-core",
             daemon=True,
         )
         self._process.start()
+        # readable once the process has ended (at once if it has already)
+        asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_engine_exit)
         # The tokenizer loads here while the core process loads the model: both take seconds.
         if front_end is None:
             front_end = asyncio.to_thread(self.load_front_end)
@@ -130,10 +161,21 @@ class AsyncEngineClient:
         self.inputs = InputProcessor(
             self.tokenizer, self.info.max_model_len, self.info.vocab_size, self.info.eos_token_ids
         )
+        # The prompt-length bound reads the whole vocabulary: now, not in the first request.
+        await asyncio.to_thread(lambda: self.inputs.bytes_per_token)
         if (as_json := await asyncio.to_thread(tokenizer_json, self.tokenizer)) is not None:
-            await self._input.send_pyobj(("tokenizer", as_json, self.inputs.eos_token_ids))
+            await self._send(("tokenizer", as_json, self.inputs.eos_token_ids))
         self.outputs = OutputProcessor(self.tokenizer)
+        kv = self.kv_config
+        self.kv_worker = WorkerKV(
+            kv.role if kv else None,
+            kv.transport if kv else None,
+            self.config.block_size,
+            self.inputs.vocab_size,
+        )
         self._output_task = asyncio.create_task(self._output_loop())
+        if self.dead:
+            raise EngineStartError("the engine process exited right after it started")
         self.healthy = True
 
     def load_front_end(self) -> tuple[Any, dict[str, Any]]:
@@ -167,11 +209,10 @@ class AsyncEngineClient:
 
     async def shutdown(self) -> None:
         self.healthy = False
-        for child_ids in list(self._children.values()):
-            for child_id in child_ids:
-                self._deliver_error(child_id, "the server is shutting down")
+        self._stopping = True
+        self._fail_in_flight("the server is shutting down; retry")
         if self._process is not None and self._process.is_alive():
-            await self._input.send_pyobj(("shutdown",))
+            await self._send(("shutdown",))
             await asyncio.to_thread(self._process.join, 10)
             if self._process.is_alive():
                 self._process.kill()
@@ -213,21 +254,21 @@ class AsyncEngineClient:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Send the request to the core; its deltas are the stream's. Admission errors (a full
-        queue, a bad value) raise here. Whoever submits closes the stream."""
+        queue, a bad value, a dead engine) raise here. Whoever submits closes the stream."""
+        if self.dead:
+            raise EngineDeadError(ENGINE_DIED)
         max_waiting = self.config.max_waiting
         if params.n > max_waiting:  # each sample waits on its own: n counts against the queue
             raise ValueError(f"n must be at most {max_waiting}, the size of this server's queue")
         if self._num_unstarted + params.n > max_waiting:
             raise QueueFullError(f"{self._num_unstarted} requests are already waiting; retry later")
+        kv_transfer_params = parse_kv_transfer_params(
+            kv_transfer_params, self.kv_worker, len(prompt_token_ids)
+        )
         remote = kv_transfer_params or {}
         first_token_id = remote.get("first_token_id")
         # A handoff's first token comes from the engine once the prefill announced it.
         remote_prefill = bool(remote.get("do_remote_prefill")) and not is_pending_handoff(remote)
-        if remote_prefill and first_token_id is None:
-            raise ValueError(
-                "kv_transfer_params from a remote prefill must carry first_token_id (or a "
-                "handoff_id to wait for)"
-            )
         requests = self.inputs.make_requests(
             request_id, prompt_token_ids, params, kv_transfer_params
         )
@@ -249,9 +290,9 @@ class AsyncEngineClient:
         stream.unstarted.update(r.request_id for r in to_submit)
         try:
             if remote_prefill and not to_submit:
-                await self._input.send_pyobj(("release_remote", kv_transfer_params))
+                await self._send(("release_remote", kv_transfer_params))
             if to_submit:
-                await self._input.send_pyobj(("add", to_submit))
+                await self._send(("add", to_submit))
         except BaseException:
             await stream.close()
             raise
@@ -274,42 +315,117 @@ class AsyncEngineClient:
     async def abort(self, request_id: str) -> None:
         child_ids = self._children.get(request_id, [])
         if child_ids:
-            await self._input.send_pyobj(("abort", child_ids))
+            await self._send(("abort", child_ids))
 
-    async def release_kv(self, remote_request_id: str) -> None:
-        await self._input.send_pyobj(("release_kv", remote_request_id))
+    async def release_kv(self, remote_request_id: str) -> bool:
+        """Free a lease this worker handed out now; False for an id it does not know (never
+        handed out, released, or past its lease's timeout)."""
+        if not self.leases.pop(remote_request_id):
+            return False
+        await self._send(("release_kv", remote_request_id))
+        return True
 
     # -- the output loop -------------------------------------------------------------------------
 
     async def _output_loop(self) -> None:
         while True:
-            if not await self._output.poll(timeout=1000):
-                if not self._process.is_alive():
-                    self.healthy = False
-                    for child_id in list(self._queues):
-                        self._deliver_error(child_id, "the engine process died")
-                    return
-                continue
             message = await self._output.recv_pyobj()
-            if message[0] != "outputs":
+            try:
+                to_abort = self._take(message)
+            except Exception:  # never the end of this loop: every request would hang
+                logger.exception("the engine's outputs could not be taken")
                 continue
+            if to_abort:
+                await self._send(("abort", to_abort))
+
+    def _take(self, message: tuple) -> list[str]:
+        """Hand one message of the engine's outputs to their streams; the child ids to abort
+        in the core (a stop string ended them, or their output could not be detokenized)."""
+        if message[0] == "fatal":  # the engine's last words: its failed step's outputs
+            _, self._death_cause, core_outputs = message
+        elif message[0] == "outputs":
             _, core_outputs, self.stats = message
-            deltas, stopped = self.outputs.process(core_outputs)
+        else:
+            return []
+        to_abort: list[str] = []
+        for output in core_outputs:
+            try:
+                deltas, stopped = self.outputs.process([output])
+            except Exception as exc:  # fails this request alone (an abort ends its lease too)
+                logger.exception("the output of %s could not be detokenized", output.request_id)
+                error = f"the output of this request could not be detokenized ({exc!r})"
+                self._deliver_error(output.request_id, error)
+                self.outputs.discard(output.request_id)
+                to_abort.append(output.request_id)
+                continue
+            to_abort.extend(stopped)
             for delta in deltas:
+                if delta.kv_transfer_params is not None:  # a prefill leg's lease
+                    self.leases.add(delta.kv_transfer_params["remote_request_id"])
                 queue = self._queues.get(child_request_id(delta.request_id, delta.index))
                 if queue is not None:
                     queue.put_nowait(delta)
-            if self.stats_listener is not None:
-                # After the readers these deltas woke: the metrics wait, the tokens do not.
-                asyncio.get_running_loop().call_soon(self.stats_listener, self.stats)
-            if stopped:
-                await self._input.send_pyobj(("abort", stopped))
+        if self.stats_listener is not None and message[0] == "outputs":
+            # After the readers these deltas woke: the metrics wait, the tokens do not.
+            asyncio.get_running_loop().call_soon(self.stats_listener, self.stats)
+        return to_abort
 
-    def _deliver_error(self, child_id: str, message: str) -> None:
+    async def _send(self, message: tuple) -> None:
+        """Send a message to the engine; nothing once it is dead. A send that must wait (a full
+        queue, or an engine that has just died) gives up when the engine is found dead."""
+        if self.dead:
+            return
+        sending = self._input.send_pyobj(message)
+        if not sending.done():
+            await asyncio.wait({sending, self._died}, return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                sending.cancel()
+                return
+        sending.result()
+
+    def _on_engine_exit(self) -> None:
+        """The engine process has ended (its sentinel is readable)."""
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        if self._stopping:
+            return
+        self.healthy = False
+        self.dead = True
+        self._died.set_result(None)
+        if self._output_task is not None:  # it had started: what is in flight fails now
+            self._death_task = asyncio.get_running_loop().create_task(self._engine_died())
+
+    async def _engine_died(self) -> None:
+        """What the engine sent before it went is taken; every request still in flight ends
+        with a 503; the death listener is told."""
+        self._output_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._output_task
+        try:  # its last messages may still be on their way through the socket
+            while await self._output.poll(timeout=LAST_OUTPUTS_WAIT_MS):
+                self._take(await self._output.recv_pyobj())
+        except Exception:  # what is left fails below all the same
+            logger.exception("the engine's last outputs could not be taken")
+        self._fail_in_flight(ENGINE_DIED)
+        cause = f"exit code {self._process.exitcode}"
+        if self._death_cause is not None:
+            cause += f": {self._death_cause}"
+        if self.death_listener is not None:
+            self.death_listener(cause)
+
+    def _fail_in_flight(self, message: str) -> None:
+        """End every unfinished sequence with a 503 error delta: the server cannot finish it."""
+        for child_id in list(self._queues):
+            if self.outputs is not None and child_id in self.outputs.states:
+                self._deliver_error(child_id, message, 503)
+                self.outputs.discard(child_id)
+
+    def _deliver_error(self, child_id: str, message: str, status: int = 500) -> None:
         queue = self._queues.get(child_id)
         if queue is None:
             return
         request_id, _, index = child_id.rpartition("-")
         queue.put_nowait(
-            SequenceDelta(request_id, int(index), "", [], None, "error", error=message)
+            SequenceDelta(
+                request_id, int(index), "", [], None, "error", error=message, error_status=status
+            )
         )

@@ -2,17 +2,21 @@
 server, and (with --router) heartbeats.
 
 SIGTERM or SIGINT stop accepting connections, let in-flight responses finish for a short grace
-period, abort what is left, stop the engine process and exit 0.
+period, abort what is left, stop the engine process and exit 0. An engine process that dies
+makes the worker unhealthy at once (503s, in-flight requests included), and the worker exits
+with ENGINE_DIED_EXIT_CODE a moment later, for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 import uvicorn
@@ -20,12 +24,16 @@ import uvicorn
 from tandem.engine.config import EngineConfig
 from tandem.keep_awake import KeepAwake
 from tandem.kv.config import KVTransferConfig
+from tandem.limits import body_limits_from_args, field_limits_from_args
 from tandem.server.app import ServerSettings, build_app
 from tandem.server.engine_client import AsyncEngineClient, EngineStartError
 from tandem.server.pd_client import DisaggregatedClient, place_engines
 
 logger = logging.getLogger("tandem.worker")
 GRACEFUL_SHUTDOWN_S = 10
+ENGINE_DIED_EXIT_CODE = 3
+# between an engine's death and the exit: its requests' 503s go out, health checks see it
+ENGINE_DIED_EXIT_DELAY_S = 1.0
 
 
 def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
@@ -46,6 +54,7 @@ def kv_config_of(
         transfer_timeout_s=args.kv_transfer_timeout,
         load_failure_policy=args.kv_load_failure_policy,
         fault=args.kv_fault,
+        cluster_token=args.cluster_token or None,
     )
 
 
@@ -77,6 +86,7 @@ def read_chat_template(value: str) -> str:
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    serve_started = time.monotonic()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -100,10 +110,34 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
         trust_request_chat_template=args.trust_request_chat_template,
         api_key=args.api_key,
+        cluster_token=args.cluster_token or None,
         allowed_origins=tuple(args.allowed_origins),
         scheduling_policy=config.scheduling_policy,
+        body_limits=body_limits_from_args(args),
+        field_limits=field_limits_from_args(args),
+        max_waiting=config.max_waiting,
     )
+    if kv_config is not None and not args.cluster_token:
+        logger.warning(
+            "no cluster token: anyone who reaches this worker may send it PD fields "
+            "(kv_transfer_params, /v1/kv/release) and use its KV port; pass --cluster-token "
+            "(or set TANDEM_CLUSTER_TOKEN) on every worker and the router"
+        )
     started = {"ok": False}
+    engine_death: dict[str, str] = {}
+
+    def on_engine_death(cause: str) -> None:
+        engine_death["cause"] = cause
+        logger.error(
+            "the engine process died (%s): this worker answers 503 and exits with code %d",
+            cause,
+            ENGINE_DIED_EXIT_CODE,
+        )
+        asyncio.get_running_loop().call_later(
+            ENGINE_DIED_EXIT_DELAY_S, setattr, server, "should_exit", True
+        )
+
+    client.death_listener = on_engine_death
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -133,7 +167,13 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                 token=args.cluster_token,
             )
             heartbeat.start()
-        logger.info("worker ready on http://%s:%d (role %s)", args.host, args.port, args.role)
+        logger.info(
+            "worker ready on http://%s:%d (role %s) in %.1f s",
+            args.host,
+            args.port,
+            args.role,
+            time.monotonic() - serve_started,
+        )
         try:
             yield
         finally:
@@ -160,4 +200,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     if not started["ok"]:
         print("tandem worker: the engine could not start (see the log above)", file=sys.stderr)
         return 1
+    if engine_death:
+        print(f"tandem worker: the engine process died ({engine_death['cause']})", file=sys.stderr)
+        return ENGINE_DIED_EXIT_CODE
     return 0

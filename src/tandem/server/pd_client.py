@@ -69,8 +69,12 @@ class DisaggregatedClient:
         self.info: EngineInfo | None = None
         self._latest_stats: dict[str, dict[str, Any]] = {}
         self.stats_listener: Callable[[dict[str, Any]], None] | None = None
+        # told when either engine process dies (the server cannot go on with one)
+        self.death_listener: Callable[[str], None] | None = None
         prefill.stats_listener = lambda stats: self._report_stats("prefill", stats)
         decode.stats_listener = lambda stats: self._report_stats("decode", stats)
+        prefill.death_listener = lambda cause: self._report_death("prefill", cause)
+        decode.death_listener = lambda cause: self._report_death("decode", cause)
 
     # -- what the HTTP layer reads ---------------------------------------------------------------
 
@@ -106,6 +110,10 @@ class DisaggregatedClient:
             for key, value in stats.items()
         }
         self.stats_listener(merged)
+
+    def _report_death(self, engine: str, cause: str) -> None:
+        if self.death_listener is not None:
+            self.death_listener(f"the {engine} engine: {cause}")
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -216,5 +224,5 @@ class DisaggregatedClient:
     async def abort(self, request_id: str) -> None:
         await asyncio.gather(self.prefill.abort(request_id), self.decode.abort(request_id))
 
-    async def release_kv(self, remote_request_id: str) -> None:
-        await self.prefill.release_kv(remote_request_id)
+    async def release_kv(self, remote_request_id: str) -> bool:
+        return await self.prefill.release_kv(remote_request_id)

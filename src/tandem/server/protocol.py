@@ -12,7 +12,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.structured_output import StructuredOutput
+from tandem.engine.structured_output import StructuredOutput, check_constraint_size
+from tandem.limits import FieldLimits
+
+
+class FieldError(ValueError):
+    """A value the worker refuses, with the field (`param`) to change."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class StreamOptions(BaseModel):
@@ -99,8 +108,28 @@ class SamplingFields(BaseModel):
         """How many top logprobs each prompt token needs (None: no prompt logprobs)."""
         return self.prompt_logprobs
 
-    def structured_output(self) -> StructuredOutput | None:
-        """The output constraint the request asks for, checked (ValueError naming the field)."""
+    def check_limits(self, limits: FieldLimits) -> None:
+        """FieldError saying what to change when a field is over the worker's limits; cheap,
+        and before anything costly (a grammar's compilation) is done with the request."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stop) > limits.max_stop_strings:
+            raise FieldError(
+                f"stop has {len(stop)} strings; this worker takes at most "
+                f"{limits.max_stop_strings} (--max-stop-strings): send fewer",
+                "stop",
+            )
+        if len(self.logit_bias or {}) > limits.max_logit_bias:
+            raise FieldError(
+                f"logit_bias has {len(self.logit_bias)} entries; this worker takes at most "
+                f"{limits.max_logit_bias} (--max-logit-bias): send fewer",
+                "logit_bias",
+            )
+        for field_name, constraint in self.asked_constraints().items():
+            check_constraint_limits(field_name, constraint, limits)
+
+    def asked_constraints(self) -> dict[str, dict[str, Any]]:
+        """The structured-output constraints the request asks for (StructuredOutput's
+        arguments), by the field that asks (one of them, if it is to be served)."""
         asked: dict[str, dict[str, Any]] = {}
         if self.response_format is not None and self.response_format.type != "text":
             schema = self.response_format.json_schema
@@ -124,6 +153,15 @@ class SamplingFields(BaseModel):
         }
         if guided:
             asked["guided_*"] = guided
+        return asked
+
+    def wants_structured_output(self) -> bool:
+        """Whether the request asks for a structured output (its grammar not compiled)."""
+        return bool(self.asked_constraints())
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output constraint the request asks for, checked (ValueError naming the field)."""
+        asked = self.asked_constraints()
         if len(asked) > 1:
             raise ValueError(
                 f"structured output is asked for twice ({' and '.join(asked)}); use one of them"
@@ -172,6 +210,20 @@ class SamplingFields(BaseModel):
             cache_salt=self.cache_salt,
             priority=self.priority,
         )
+
+
+def check_constraint_limits(
+    field_name: str, constraint: dict[str, Any], limits: FieldLimits
+) -> None:
+    try:
+        check_constraint_size(
+            constraint,
+            limits.max_structured_output_bytes,
+            limits.max_structured_output_repetition,
+        )
+    except ValueError as exc:
+        param = None if field_name == "guided_*" else field_name
+        raise FieldError(f"{field_name}: {exc}", param) from None
 
 
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -357,6 +409,16 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             return self.tool_choice.function.name
         return "required" if self.tool_choice == "required" else None
 
+    def wants_structured_output(self) -> bool:
+        return super().wants_structured_output() or self.forced_tool_calls() is not None
+
+    def check_limits(self, limits: FieldLimits) -> None:
+        """A forced tool call's schema is the tools' parameters: limited as a constraint."""
+        super().check_limits(limits)
+        if self.forced_tool_calls() is not None:
+            schemas = [tool.function.parameters for tool in self.tools or []]
+            check_constraint_limits("tools", {"json": schemas}, limits)
+
     def structured_output(self) -> StructuredOutput | None:
         """A forced tool call holds the output to the arguments' JSON schema (a named
         function) or to a list of {"name", "parameters"} objects, one per call ("required")."""
@@ -426,11 +488,16 @@ class KVReleaseRequest(BaseModel):
     remote_request_id: str
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object; its code is `code`, else the status."""
     kind = {
         400: "invalid_request_error",
         401: "authentication_error",
+        403: "permission_error",
         404: "not_found_error",
         503: "service_unavailable",
     }.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    error = {"message": message, "type": kind, "param": param, "code": code or status}
+    return {"error": error}

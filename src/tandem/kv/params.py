@@ -1,0 +1,205 @@
+"""kv_transfer_params, the PD fields of a request, parsed and checked once in the worker's API
+process, before the request reaches the engine (so before any block is allocated for it).
+
+The fields keep vLLM's names and wire format (docs/protocol.md); a request holds one of three
+shapes:
+
+    prefill leg   do_remote_decode [, handoff_id]                this worker serves the KV
+    decode leg    do_remote_prefill + the prefill answer's       this worker loads the KV
+                  params (first_token_id, remote_block_ids, ...)
+    handoff leg   do_remote_prefill + handoff_id, remote_host,   ... once the prefill announces
+                  remote_port, kv_transport (no first token)     the rest under handoff_id
+
+`KVTransferParams` checks types and static ranges; `parse_kv_transfer_params` then holds them to
+this worker (role, transport, block size, vocabulary) and to the request's prompt, and returns
+what the engine gets: the fields known here, as given, nulls left out. Unknown keys are ignored
+(vLLM sends some). Every refusal is a `KVParamsError` naming the field. A layout the prefill and
+decode workers do not share (`kv_layout`) is the connector's to find: it recomputes or fails the
+load, as for any transfer that cannot be used.
+
+`HandedOutLeases` remembers the lease ids (`remote_request_id`) a prefill worker gave out, so
+that `POST /v1/kv/release` can answer 404 for any other id.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+MAX_ID_LENGTH = 256  # ids, host names and layouts; a CUDA IPC handle may be longer
+MAX_HANDLE_LENGTH = 16384
+
+ShortString = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
+NonNegative = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+
+
+class KVTransferParams(msgspec.Struct, frozen=True):
+    do_remote_decode: bool | None = None
+    do_remote_prefill: bool | None = None
+    handoff_id: ShortString | None = None
+    remote_engine_id: ShortString | None = None
+    remote_request_id: ShortString | None = None
+    remote_block_ids: list[NonNegative] | None = None
+    remote_host: ShortString | None = None
+    remote_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+    tp_size: Annotated[int, Meta(ge=1, le=1)] | None = None  # tensor-parallel KV: not yet
+    kv_transport: ShortString | None = None
+    first_token_id: NonNegative | None = None
+    num_prompt_tokens: Positive | None = None
+    block_size: Positive | None = None
+    kv_layout: ShortString | None = None
+    kv_ipc_handle: Annotated[str, Meta(min_length=1, max_length=MAX_HANDLE_LENGTH)] | None = None
+
+    @property
+    def is_handoff(self) -> bool:
+        """A decode leg whose prefill announces its transfer later, under handoff_id."""
+        return bool(self.do_remote_prefill and self.handoff_id) and self.first_token_id is None
+
+
+FIELDS = frozenset(KVTransferParams.__struct_fields__)
+# What a decode leg in vLLM's flow needs from the prefill answer; a handoff leg gets it from the
+# announcement. cuda-ipc also needs kv_ipc_handle.
+DECODE_FIELDS = (
+    "first_token_id",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_block_ids",
+    "num_prompt_tokens",
+    "block_size",
+)
+HANDOFF_FIELDS = ("remote_host", "remote_port", "kv_transport")
+
+
+class KVParamsError(ValueError):
+    """A kv_transfer_params field this worker cannot take; `param` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"kv_transfer_params.{field}: {message}")
+        self.param = "kv_transfer_params" + (f".{field.partition('[')[0]}" if field else "")
+
+
+@dataclass(frozen=True)
+class WorkerKV:
+    """What the params are held to: this worker's side of the transfer."""
+
+    role: str | None  # prefill | decode | both; None: no KV transport (no PD fields taken)
+    transport: str | None
+    block_size: int
+    vocab_size: int
+
+
+def parse_kv_transfer_params(
+    raw: dict[str, Any] | None, worker: WorkerKV, num_prompt_tokens: int
+) -> dict[str, Any] | None:
+    """The params the engine gets for a request of `num_prompt_tokens` tokens (None: none);
+    KVParamsError for anything this worker cannot take."""
+    if raw is None:
+        return None
+    params = typed(raw)
+    check_shape(params, worker)
+    check_against(params, worker, num_prompt_tokens)
+    return {key: value for key, value in raw.items() if key in FIELDS and value is not None}
+
+
+def typed(raw: dict[str, Any]) -> KVTransferParams:
+    try:
+        return msgspec.convert(raw, KVTransferParams)
+    except msgspec.ValidationError as exc:
+        message, _, where = str(exc).rpartition(" - at `$")
+        if not message:  # not a field's error
+            raise KVParamsError("", str(exc)) from None
+        field = where.removeprefix(".").removesuffix("`")
+        raise KVParamsError(field, message[0].lower() + message[1:]) from None
+
+
+def check_shape(params: KVTransferParams, worker: WorkerKV) -> None:
+    """The leg the params make fits this worker, and holds what that leg needs."""
+    if params.do_remote_decode and params.do_remote_prefill:
+        message = "a prefill leg (do_remote_decode) or a decode leg, not both: drop one"
+        raise KVParamsError("do_remote_prefill", message)
+    leg = "do_remote_decode" if params.do_remote_decode else "do_remote_prefill"
+    if (params.do_remote_decode or params.do_remote_prefill) and worker.role is None:
+        message = "this worker has no KV transport (start it with --role prefill or decode)"
+        raise KVParamsError(leg, message)
+    if params.do_remote_decode and worker.role not in ("prefill", "both"):
+        message = f"a {worker.role} worker serves no KV; send the prefill leg to a prefill worker"
+        raise KVParamsError(leg, message)
+    if not params.do_remote_prefill:
+        return
+    if worker.role not in ("decode", "both"):
+        message = f"a {worker.role} worker loads no KV; send the decode leg to a decode worker"
+        raise KVParamsError(leg, message)
+    needed = list(HANDOFF_FIELDS)
+    if not params.is_handoff:
+        needed += DECODE_FIELDS
+        if worker.transport == "cuda-ipc":
+            needed.append("kv_ipc_handle")
+    for field in needed:
+        if getattr(params, field) is None:
+            message = "a decode leg needs it: pass on the prefill answer's kv_transfer_params"
+            if field == "first_token_id":
+                message = (
+                    "a decode leg needs the prefill's first token, or a handoff_id to wait for"
+                )
+            raise KVParamsError(field, message)
+
+
+def check_against(params: KVTransferParams, worker: WorkerKV, num_prompt_tokens: int) -> None:
+    """The values this worker and this prompt fix, wherever they are given."""
+    if params.kv_transport is not None and params.kv_transport != worker.transport:
+        message = f"{params.kv_transport!r}, but this worker's transport is {worker.transport!r}"
+        raise KVParamsError("kv_transport", message)
+    if params.first_token_id is not None and params.first_token_id >= worker.vocab_size:
+        message = f"{params.first_token_id} is outside the vocabulary [0, {worker.vocab_size})"
+        raise KVParamsError("first_token_id", message)
+    if params.num_prompt_tokens is not None and params.num_prompt_tokens != num_prompt_tokens:
+        message = (
+            f"{params.num_prompt_tokens}, but the prompt has {num_prompt_tokens} tokens here (do "
+            "both workers serve the same model?)"
+        )
+        raise KVParamsError("num_prompt_tokens", message)
+    if params.block_size is not None and params.block_size != worker.block_size:
+        message = (
+            f"{params.block_size}, but this worker's blocks hold {worker.block_size} tokens "
+            "(start both workers with the same --block-size)"
+        )
+        raise KVParamsError("block_size", message)
+    num_blocks = -(-num_prompt_tokens // worker.block_size)
+    if params.remote_block_ids is not None and len(params.remote_block_ids) != num_blocks:
+        message = (
+            f"{len(params.remote_block_ids)} block ids, but a prompt of {num_prompt_tokens} tokens "
+            f"fills {num_blocks} blocks of {worker.block_size}"
+        )
+        raise KVParamsError("remote_block_ids", message)
+
+
+class HandedOutLeases:
+    """The lease ids (remote_request_id) of the prefill answers a worker gave out, each until
+    its lease's timeout has passed or it is released. Every lease lasts as long, so the oldest
+    ids end first."""
+
+    def __init__(self, lease_timeout_s: float) -> None:
+        self.lease_timeout_s = lease_timeout_s
+        self.deadlines: dict[str, float] = {}  # in the order handed out
+
+    def add(self, remote_request_id: str) -> None:
+        self._forget_expired()
+        self.deadlines[remote_request_id] = time.monotonic() + self.lease_timeout_s
+
+    def pop(self, remote_request_id: str) -> bool:
+        """Forget the id; whether it was a live one."""
+        self._forget_expired()
+        return self.deadlines.pop(remote_request_id, None) is not None
+
+    def _forget_expired(self) -> None:
+        now = time.monotonic()
+        while self.deadlines:
+            oldest, deadline = next(iter(self.deadlines.items()))
+            if deadline > now:
+                return
+            del self.deadlines[oldest]
