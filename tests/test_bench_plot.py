@@ -71,3 +71,39 @@ def test_plot_rejects_files_that_are_not_results(
     assert main(["bench", "plot", str(other), "-o", str(tmp_path / "x.png")]) == 2
     assert "not a tandem bench result file" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_title_names_model_workload_and_date(tmp_path: Path) -> None:
+    """The title named only the labels; a second line now says what ran (the PNG's Title
+    metadata holds the same text as the picture)."""
+    from PIL import Image
+
+    run = {
+        "model_id": "smollm2-135m-instruct",
+        "dataset_name": "random",
+        "random_input_len": 512,
+        "random_output_len": 64,
+        "random_range_ratio": 0.0,
+        "num_prompts": 100,
+        "endpoint": "/v1/completions",
+    }
+    colocated = tmp_path / "colocated.json"
+    points = [point("colocated", 1, 100.0, 20.0), point("colocated", 4, 300.0, 30.0)]
+    points = [{**p, **run, "date": "20261125-101500"} for p in points]
+    colocated.write_text(json.dumps({"label": "colocated", "points": points}))
+    pd = tmp_path / "pd.json"
+    pd_point = {**point("pd", 1, 120.0, 15.0), **run, "date": "20261126-000500"}
+    pd.write_text(json.dumps(pd_point))
+    output = tmp_path / "title.png"
+    assert main(["bench", "plot", str(colocated), str(pd), "-o", str(output)]) == 0
+    assert Image.open(output).text["Title"] == (
+        "colocated vs pd\n"
+        "smollm2-135m-instruct · random 512 in / 64 out tokens, 100 prompts · "
+        "2026-11-25 / 2026-11-26"
+    )
+    chat = {**pd_point, "dataset_name": "sharegpt", "endpoint": "/v1/chat/completions"}
+    pd.write_text(json.dumps(chat))
+    assert main(["bench", "plot", str(pd), "-o", str(output), "--title", "Chat"]) == 0
+    assert Image.open(output).text["Title"] == (
+        "Chat\nsmollm2-135m-instruct · sharegpt, chat, 100 prompts · 2026-11-26"
+    )

@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import os
+import shlex
 import socket
 import sys
 import threading
@@ -217,6 +218,30 @@ def test_sweep_writes_one_file_per_point_and_a_combined_file(tmp_path: Path) -> 
         assert body["stream_options"] == {"include_usage": True}
         assert body["ignore_eos"] is True and body["model"] == MODEL
         assert all(1000 <= token_id < 20000 for token_id in body["prompt"])
+
+
+def test_space_separated_sweep_values_are_a_sweep(tmp_path: Path) -> None:
+    """`--max-concurrency 1 2 4` (as vLLM's multi-value flags are written) was an argparse error;
+    space- and comma-separated values sweep alike, and may be mixed."""
+    with fake_server(FakeBehaviour(first_delay_s=0.0, gap_s=0.0)) as base_url:
+        flags = common_flags(base_url, tmp_path, "--num-prompts", "2", "--random-output-len", "2")
+        flags += ["--result-filename", "spaces", "--max-concurrency", "1", "2,4"]
+        assert run_cli(*flags) == 0
+        flags = common_flags(base_url, tmp_path, "--num-prompts", "2", "--random-output-len", "2")
+        flags += ["--result-filename", "rates", "--request-rate", "50", "inf"]
+        assert run_cli(*flags) == 0
+    spaces = json.loads((tmp_path / "spaces-sweep.json").read_text())
+    assert spaces["sweep_parameter"] == "max_concurrency"
+    assert spaces["sweep_values"] == [1, 2, 4]
+    assert [point["completed"] for point in spaces["points"]] == [2, 2, 2]
+    rates = json.loads((tmp_path / "rates-sweep.json").read_text())
+    assert (rates["sweep_parameter"], rates["sweep_values"]) == ("request_rate", [50.0, "inf"])
+
+
+def test_bad_sweep_values_are_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    flags = common_flags("http://127.0.0.1:9", tmp_path, "--max-concurrency", "1", "four")
+    assert run_cli(*flags) == 2
+    assert "--max-concurrency takes positive integers, got '1 four'" in capsys.readouterr().err
 
 
 def test_timestamps_follow_the_servers_known_schedule(tmp_path: Path) -> None:
@@ -426,6 +451,18 @@ def test_compare_reports_a_cluster_that_dies(tmp_path: Path, capsys: pytest.Capt
     flags += ["--result-dir", str(tmp_path), "--num-prompts", "1", "--disable-tqdm"]
     assert run_cli(*flags) == 2
     assert "exited with code 3" in capsys.readouterr().err
+
+
+def test_compare_serves_the_default_model_without_model(tmp_path: Path, capsys) -> None:
+    """`tandem serve` has a default model; `compare` without --model was an argparse error."""
+    argv_file = tmp_path / "argv.json"
+    record_argv = f"import json, sys; open({str(argv_file)!r}, 'w').write(json.dumps(sys.argv))"
+    serve_command = f"{sys.executable} -c {shlex.quote(record_argv + '; sys.exit(3)')}"
+    flags = ["compare", "--serve-command", serve_command, "--result-dir", str(tmp_path)]
+    assert run_cli(*flags, "--num-prompts", "1", "--disable-tqdm") == 2
+    assert "exited with code 3" in capsys.readouterr().err
+    argv = json.loads(argv_file.read_text())
+    assert argv[argv.index("--model") + 1] == "smollm2-135m-instruct"
 
 
 if __name__ == "__main__":

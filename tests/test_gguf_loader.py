@@ -19,6 +19,7 @@ from tandem.models.gguf_loader import (
     read_gguf_config,
     resolve_default_model,
 )
+from tiny_gguf import write_gguf, write_tiny_llama_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -56,31 +57,6 @@ def transformers_checkpoint(smollm2_path, smollm2_config):
         str(smollm2_path), return_tensors=True, model_to_load=skeleton
     )
     return checkpoint["config"], checkpoint["tensors"], skeleton
-
-
-def write_gguf(path, arch, tensors, *, hidden_size=64, num_heads=4, num_kv_heads=2, metadata=()):
-    """A minimal Llama-family GGUF file. `tensors` maps GGUF names to (array, raw_dtype or None)."""
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(1)
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden_size)
-    writer.add_feed_forward_length(96)
-    writer.add_head_count(num_heads)
-    writer.add_head_count_kv(num_kv_heads)
-    writer.add_layer_norm_rms_eps(1e-6)
-    for key, value in metadata:
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
-    for name, (array, raw_dtype) in tensors.items():
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def f16_scales(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -367,6 +343,65 @@ def test_smollm2_tokenizer(smollm2_tokenizer):
     assert prompt.startswith("<|im_start|>system\n")
     assert "<|im_start|>user\nHi there<|im_end|>\n" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_smollm2_tokenizer_read_back_from_the_cache(
+    tmp_path, smollm2_path, smollm2_tokenizer, monkeypatch
+):
+    """The default model's converted tokenizer, written to the cache and read back by another
+    load, gives the same ids, texts and chat prompts."""
+    from tandem.models import gguf_loader
+    from tandem.models.gguf_cache import GGUFCache
+
+    monkeypatch.setattr(gguf_loader, "load_gguf_tokenizer", lambda path: smollm2_tokenizer)
+    GGUFCache(tmp_path).tokenizer(smollm2_path)  # converted (here: the fixture's) and written
+    cached = GGUFCache(tmp_path).tokenizer(smollm2_path)
+    assert cached is not smollm2_tokenizer
+    assert cached.backend_tokenizer.to_str() == smollm2_tokenizer.backend_tokenizer.to_str()
+    texts = [
+        "Once upon a time, there was a little",
+        "  def f(x):\n\treturn x ** 2  # déjà vu, 東京, 🙂",
+        "<|im_start|>user\nHi<|im_end|><|endoftext|>",
+        "",
+    ]
+    for text in texts:
+        ids = cached(text)["input_ids"]
+        assert ids == smollm2_tokenizer(text)["input_ids"], text
+        assert cached.decode(ids) == smollm2_tokenizer.decode(ids)
+        assert cached.decode(ids, skip_special_tokens=True) == smollm2_tokenizer.decode(
+            ids, skip_special_tokens=True
+        )
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    for messages in (conversation, conversation[1:]):
+        assert cached.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        ) == smollm2_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    assert cached.all_special_ids == smollm2_tokenizer.all_special_ids
+    assert (cached.eos_token, cached.pad_token) == ("<|im_end|>", smollm2_tokenizer.pad_token)
+
+
+def test_reader_parses_the_same_as_the_gguf_package(tmp_path):
+    """Our reader (the file as a plain ndarray, not an np.memmap) gives every field and tensor
+    the gguf package's own reader gives, and leaves that package as it found it."""
+    from tandem.models.gguf_loader import _open_gguf
+
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    ours, stock = _open_gguf(path), gguf.GGUFReader(path)
+    assert type(ours.data) is np.ndarray and type(stock.data) is np.memmap
+    assert gguf.gguf_reader.np is np
+    assert list(ours.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in stock.tensors]
+    for tensor, expected in zip(ours.tensors, stock.tensors, strict=True):
+        assert tensor.tensor_type == expected.tensor_type
+        assert list(tensor.shape) == list(expected.shape)
+        assert np.array_equal(tensor.data, expected.data), tensor.name
 
 
 def test_missing_default_model_package(monkeypatch):

@@ -1,7 +1,9 @@
 """`tandem bench serve | plot | compare`: the serving benchmark and its pictures.
 
-Only argparse is imported here; the benchmark modules (aiohttp, numpy, rich, matplotlib) load
-inside the sub-commands' functions. Flag names follow `vllm bench serve` where it has them.
+Only argparse (and the package's light top level) is imported here; the benchmark modules
+(aiohttp, numpy, rich, matplotlib) load inside the sub-commands' functions. Flag names follow
+`vllm bench serve` where it has them; their multi-value flags take values space-separated, and
+comma-separated as before.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import argparse
 import os
 import sys
 from typing import Any
+
+from tandem import DEFAULT_MODEL
 
 DATASET_CHOICES = ("random", "sharegpt", "prefix")
 ENDPOINT_CHOICES = ("/v1/completions", "/v1/chat/completions")
@@ -54,8 +58,11 @@ def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--endpoint", choices=ENDPOINT_CHOICES, default="/v1/completions")
     group.add_argument(
         "--request-rate",
-        default="inf",
-        help="requests/s (Poisson arrivals, inf = all at once); a comma list sweeps: 1,2,4",
+        nargs="+",
+        default=["inf"],
+        metavar="RATE",
+        help="requests/s (Poisson arrivals, inf = all at once); several values sweep: 1 2 4 "
+        "(or 1,2,4)",
     )
     group.add_argument(
         "--burstiness",
@@ -65,7 +72,9 @@ def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-concurrency",
-        help="most requests in flight; a comma list sweeps: 1,8,32,128",
+        nargs="+",
+        metavar="N",
+        help="most requests in flight; several values sweep: 1 8 32 128 (or 1,8,32,128)",
     )
     group.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests first")
     group.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true")
@@ -138,7 +147,11 @@ def add_compare_parser(subparsers: Any) -> None:
         description="Start a colocated cluster, sweep it, stop it; start a PD cluster on the "
         "same hardware, sweep it, stop it; write both JSONs and one picture.",
     )
-    parser.add_argument("--model", required=True, help="passed to `tandem serve --model`")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"passed to `tandem serve --model` (default: {DEFAULT_MODEL}, as for tandem serve)",
+    )
     parser.add_argument("--served-model-name", help="model name to request (default: --model)")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers of PD")
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers of PD")

@@ -62,26 +62,41 @@ class LoadPoint:
         return f"{rate_value(self.request_rate)}qps{concurrency}"
 
 
-def parse_rates(text: str) -> list[float]:
-    rates = [float(word) for word in text.split(",") if word.strip()]
+def flag_words(values: str | Sequence[str]) -> list[str]:
+    """A multi-value flag's values, given space-separated (`1 4 16`, as the shell splits them),
+    comma-separated (`1,4,16`) or both."""
+    texts = [values] if isinstance(values, str) else list(values)
+    return [word.strip() for text in texts for word in text.split(",") if word.strip()]
+
+
+def parse_rates(values: str | Sequence[str]) -> list[float]:
+    words = flag_words(values)
+    try:
+        rates = [float(word) for word in words]
+    except ValueError:
+        rates = []
     if not rates or any(not rate > 0 for rate in rates):
-        raise ValueError(f"--request-rate takes positive numbers or inf, got {text!r}")
+        raise ValueError(f"--request-rate takes positive numbers or inf, got {' '.join(words)!r}")
     return rates
 
 
-def parse_concurrencies(text: str) -> list[int]:
-    concurrencies = [int(word) for word in text.split(",") if word.strip()]
+def parse_concurrencies(values: str | Sequence[str]) -> list[int]:
+    words = flag_words(values)
+    try:
+        concurrencies = [int(word) for word in words]
+    except ValueError:
+        concurrencies = []
     if not concurrencies or any(value < 1 for value in concurrencies):
-        raise ValueError(f"--max-concurrency takes positive integers, got {text!r}")
+        raise ValueError(f"--max-concurrency takes positive integers, got {' '.join(words)!r}")
     return concurrencies
 
 
 def load_points(
-    request_rate: str, max_concurrency: str | None
+    request_rate: str | Sequence[str], max_concurrency: str | Sequence[str] | None
 ) -> tuple[str | None, list[LoadPoint]]:
     """The sweep described by the two flags, and which flag is swept (None for a single point).
 
-    Either flag may be a comma-separated list; not both.
+    Either flag may list several values (space- or comma-separated); not both.
     """
     rates = parse_rates(request_rate)
     concurrencies: list[int | None] = (

@@ -14,6 +14,7 @@ them there as the default of its own `--api-key` / `--cluster-token`.
 
 from __future__ import annotations
 
+import glob
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,8 +32,10 @@ class ProcessPlan:
 
 
 def resolve_device(device: str) -> tuple[str, int]:
-    """("cpu" or "cuda", number of GPUs); `auto` means cuda when torch sees a GPU."""
-    if device == "cpu":
+    """("cpu" or "cuda", number of GPUs); `auto` means cuda when torch sees a GPU. A host
+    without an NVIDIA device node has none: `auto` is cpu there without importing torch (2-3 s
+    of the launcher's start on a small CPU host)."""
+    if device == "cpu" or (device == "auto" and not glob.glob("/dev/nvidia[0-9]*")):
         return "cpu", 0
     import torch
 

@@ -1,0 +1,42 @@
+"""A worker's start-up log: the model's load and the worker's readiness come with their durations,
+and a worker whose GGUF file another process has converted already reads everything from the cache
+(nothing converted again, the cached files untouched)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tandem.attention.base import get_backend
+from tandem.models.gguf_cache import GGUFCache
+from tandem.models.loader import load_model, load_tokenizer, resolve_model
+from tiny_gguf import write_tiny_llama_gguf
+from worker_fixtures import running_worker
+
+DURATION = r"(\d+\.\d) s"
+
+
+def test_worker_logs_durations_and_reads_the_cache(tmp_path, monkeypatch):
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    # The conversions a first start does, here by another process (this one), as a CPU worker.
+    source = resolve_model(str(model))
+    load_tokenizer(source)
+    load_model(source, get_backend("torch"), torch.float32, torch.device("cpu"))
+    entry = GGUFCache().entry(model)
+    written = {path.name: path.stat().st_mtime_ns for path in entry.iterdir()}
+    assert {"config.json", "tokenizer", "model.float32.safetensors"} <= set(written)
+
+    with running_worker(tmp_path, "--num-kv-blocks", "16", model=str(model)) as worker:
+        log = worker.log_path.read_text()
+
+    ready = re.search(rf"INFO tandem\.worker: worker ready on \S+ \(role both\) in {DURATION}", log)
+    assert ready, log
+    loaded = re.search(rf"model built and its weights loaded in {DURATION}", log)
+    assert loaded, log
+    assert float(loaded.group(1)) <= float(ready.group(1))
+    for what in ("config", "tokenizer", "weights"):
+        assert re.search(rf"{what} loaded from the cache in {DURATION}", log), (what, log)
+    assert "converting" not in log
+    assert {path.name: path.stat().st_mtime_ns for path in entry.iterdir()} == written
