@@ -14,8 +14,14 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: install serve test lint
 install: $(VENV)/.installed
 
+# `make serve PORT=9000 MODEL=my.gguf ARGS="--decode 2"`: flags for `tandem serve`, taken from
+# make's command line only (a PORT or MODEL in the environment is some other program's).
+given = $(if $(filter command line,$(origin $(1))),$($(1)))
+SERVE_FLAGS = $(if $(call given,PORT),--port $(PORT)) $(if $(call given,MODEL),--model $(MODEL)) \
+	$(call given,ARGS)
+
 serve: $(VENV)/.installed
-	$(VENV)/bin/tandem serve
+	$(VENV)/bin/tandem serve $(strip $(SERVE_FLAGS))
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests

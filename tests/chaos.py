@@ -322,6 +322,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.full:
         args.requests, args.concurrency, args.fuzz_cases = 2000, 64, 1000
+        args.reset_probability = 0.0025  # about one transfer in twenty sees a reset
     work = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     model = args.model or str(make_checkpoint("llama-gqa", work / "model"))
     reset_kv_packets(KV_PORT_BASE, args.reset_probability)

@@ -4,7 +4,7 @@ leaving no process behind.
 The supervisor's own tests run it in a thread over `python -c` children that answer /health as
 told for each of their starts. The end-to-end ones run the launcher's real command lines
 (`python -m tandem.cli worker ...`), with a `tandem` package on PYTHONPATH in front of the real
-one whose only difference is its `tandem.server` subpackage: its `worker` command serves
+one whose only difference is its `tandem.server.cli`: its `worker` command serves
 tandem.router.fake_worker instead of an engine. The router and the launcher are the real ones.
 """
 
@@ -14,7 +14,6 @@ import io
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import tandem
 from tandem.access import CLUSTER_TOKEN_ENV
 from tandem.launcher.plan import ProcessPlan
 from tandem.launcher.supervisor import Supervisor
+from worker_fixtures import free_port_block
 
 SRC = Path(tandem.__file__).resolve().parents[1]
 
@@ -69,32 +69,11 @@ def fake_tandem(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"exec(compile(open({str(real_init)!r}).read(), {str(real_init)!r}, 'exec'))\n"
         f"__path__.append({str(SRC / 'tandem')!r})\n"
     )
-    (package / "server" / "__init__.py").write_text("")
+    (package / "server" / "__init__.py").write_text(  # the real subpackage's other modules
+        f"__path__.append({str(SRC / 'tandem' / 'server')!r})\n"
+    )
     (package / "server" / "cli.py").write_text(FAKE_SERVER_CLI)
     return root
-
-
-def free_port_block(size: int) -> int:
-    """The first of `size` consecutive free ports."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + size > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(first, first + size):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no block of free ports")
 
 
 class Launcher:

@@ -127,6 +127,49 @@ def test_structured_outputs_match_both_worker(client, trio, stream: bool):
     assert_nothing_held(trio["prefill"], trio["decode"])
 
 
+def every_choice(client: httpx.Client, url: str, path: str, body: dict) -> list[tuple]:
+    """Every choice of an answer, collected or streamed: (index, token ids, text, finish)."""
+    body = with_defaults(body)
+    if not body.get("stream"):
+        answer = client.post(url + path, json=body, timeout=300)
+        assert answer.status_code == 200, answer.text
+        chunks = [answer.json()]
+    else:
+        with client.stream("POST", url + path, json=body, timeout=300) as response:
+            assert response.status_code == 200, response.read()
+            chunks = read_stream(response)
+    merged: dict[int, tuple[list[int], str, str | None]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            token_ids, text, finish = merged.get(choice["index"], ([], "", None))
+            holder = choice.get("message") or choice.get("delta") or choice
+            text += holder.get("content" if holder is not choice else "text") or ""
+            token_ids = token_ids + choice.get("token_ids", [])
+            merged[choice["index"]] = (token_ids, text, choice.get("finish_reason") or finish)
+    return sorted((index, *choice) for index, choice in merged.items())
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_several_choices_match_both_worker(client, trio, sampling: str):
+    """n > 1 with both legs carrying it, as vllm-router sends it: the prefill leg computes the
+    prompt once (one choice, one lease), the decode leg samples the n choices from the prompt
+    it computes itself and lets the lease go; the answer is the `both` worker's."""
+    cases = [
+        ("/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "stream": True}),
+    ]
+    for path, body in cases:
+        body = dict(body, n=2, **SAMPLING[sampling])
+        answer = prefill_leg(client, trio["prefill"].url, path, with_defaults(body))
+        assert len(answer["choices"]) == 1 and answer["kv_transfer_params"]["remote_request_id"]
+        decode_body = dict(body, kv_transfer_params=answer["kv_transfer_params"])
+        pd = every_choice(client, trio["decode"].url, path, decode_body)
+        assert pd == every_choice(client, trio["both"].url, path, body)
+        assert [choice[0] for choice in pd] == [0, 1]
+        assert all(len(choice[1]) == 4 for choice in pd)
+    assert_nothing_held(trio["prefill"], trio["decode"])
+
+
 def test_a_decode_leg_refuses_prompt_logprobs(client, trio):
     """A decode leg loads the prompt's KV: it has no prompt logprobs to give."""
     kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "127.0.0.1"}
@@ -299,6 +342,31 @@ def vllm_router(trio, tmp_path_factory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_router_serves_several_choices(client, trio, vllm_router, stream: bool):
+    body = {"prompt": PROMPTS[3], "max_tokens": 5, "n": 2, "stream": stream, **SAMPLING["seeded"]}
+    routed = every_choice(client, vllm_router, "/v1/completions", body)
+    assert routed == every_choice(client, trio["both"].url, "/v1/completions", body)
+    assert len(routed) == 2
+    assert_nothing_held(trio["prefill"], trio["decode"])
+
+
+def test_a_prompt_scored_only_through_the_router(client, trio, routers):
+    """echo with max_tokens 0 goes whole to the decode worker: the `both` worker's answer."""
+    body = {"prompt": "Once upon a time", "max_tokens": 0, "echo": True, "logprobs": 1}
+    expected = client.post(trio["both"].url + "/v1/completions", json=body).json()
+    for router in routers.values():
+        answer = client.post(router.url + "/v1/completions", json=body).json()
+        assert answer["choices"][0]["text"] == "Once upon a time" == expected["choices"][0]["text"]
+        logprobs, reference = answer["choices"][0]["logprobs"], expected["choices"][0]["logprobs"]
+        assert logprobs["tokens"] == reference["tokens"]
+        assert logprobs["token_logprobs"][1:] == pytest.approx(
+            reference["token_logprobs"][1:], abs=1e-4
+        )
+        assert answer["usage"] == expected["usage"]
+    assert_nothing_held(trio["prefill"], trio["decode"])
 
 
 ROUTED_CASES = {

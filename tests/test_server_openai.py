@@ -491,6 +491,52 @@ def test_logprobs_and_echo(client, llm):
     assert tokens == logprobs.tokens
 
 
+def test_echo_without_tokens_scores_the_prompt_only(client, llm):
+    """echo with max_tokens 0, as lm-evaluation-harness scores a continuation: the answer is
+    the prompt with its logprobs (the offline engine's), no token generated (as vLLM)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    (offline_output,) = llm.generate([FRUITS], params)
+    prompt_ids = offline_output.prompt_token_ids
+    request = {"model": MODEL, "prompt": FRUITS, "max_tokens": 0, "echo": True, "logprobs": 2}
+    response = client.completions.create(**request)
+    choice = response.choices[0]
+    assert choice.text == FRUITS and choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 0
+    assert response.usage.prompt_tokens == response.usage.total_tokens == len(prompt_ids)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) and "".join(logprobs.tokens) == FRUITS
+    assert logprobs.token_logprobs[0] is None
+    expected = [entry.logprob for entry in offline_output.prompt_logprobs[1:]]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+
+    streamed = list(client.completions.create(**request, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == FRUITS
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens and streamed[-1].choices[0].finish_reason == "length"
+
+    plain = client.completions.create(model=MODEL, prompt=FRUITS, max_tokens=0, echo=True)
+    assert plain.choices[0].text == FRUITS and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError):  # without echo, nothing to answer (as vLLM)
+        client.completions.create(model=MODEL, prompt=FRUITS, max_tokens=0)
+
+
+def test_unknown_routes_and_methods_get_openai_errors(worker):
+    for method, path, status in [
+        ("GET", "/v1/nothing", 404),
+        ("POST", "/v2/completions", 404),
+        ("GET", "/v1/completions", 405),
+        ("DELETE", "/v1/models", 405),
+    ]:
+        response = httpx.request(method, worker.url + path, timeout=10)
+        assert response.status_code == status, (method, path)
+        error = response.json()["error"]
+        assert error.keys() == {"message", "type", "param", "code"}
+        assert path in error["message"]
+        assert error["type"] == {404: "not_found_error", 405: "invalid_request_error"}[status]
+        if status == 405:
+            assert response.headers["allow"] in error["message"]
+
+
 def test_forced_tool_calls(client, llm):
     """A named function: its arguments are the output held to its parameters' schema (the
     offline engine's output under that schema); "required": a list of calls; streamed, the

@@ -38,6 +38,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_block(size: int) -> int:
+    """The first of `size` consecutive free ports."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + size > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(first, first + size):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no block of free ports")
+
+
 @dataclass
 class WorkerProcess:
     process: subprocess.Popen

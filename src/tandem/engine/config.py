@@ -21,6 +21,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
+    # the tokenizer to use instead of the model's: a Hugging Face directory, or a model spec
+    # (a .gguf file, the default model) whose tokenizer is taken; for dummy weights in real shapes
+    tokenizer: str | None = None
+    # what vLLM's flag allows: a tokenizer's own code (tandem runs only its own models)
+    trust_remote_code: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto | dummy
@@ -43,6 +48,8 @@ class EngineConfig:
     # after it last had work (seconds); None: BUSY_POLL_CUDA_S on CUDA, 0 on CPU (where the step
     # needs every core).
     busy_poll_s: float | None = None
+    # seeds the sampling of requests without a seed of their own (one generator, drawn in the
+    # order requests are sampled, as vLLM's), and dummy weights
     seed: int = 0
 
     def resolved(self) -> EngineConfig:

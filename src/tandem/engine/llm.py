@@ -47,7 +47,10 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_settings: Any) -> None:
         self.core = EngineCore(EngineConfig(model=model, **engine_settings))
-        self.tokenizer = load_tokenizer(self.core.source)
+        config = self.core.config
+        self.tokenizer = load_tokenizer(
+            self.core.source, config.tokenizer, config.trust_remote_code
+        )
         self.inputs = InputProcessor(
             self.tokenizer,
             self.core.max_model_len,

@@ -79,10 +79,10 @@ class SamplingParams:
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 "min_tokens must not exceed max_tokens",
             ),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
             (
-                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-                "prompt_logprobs must be in [0, 20]",
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "prompt_logprobs must be >= 0",
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),

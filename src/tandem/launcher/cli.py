@@ -2,10 +2,14 @@
 
 Flags given on the command line override the file; without a file, the cluster is one prefill
 and one decode worker on the default model; the KV transport is GPU-direct (cuda-ipc) when the
-workers run on GPUs, TCP otherwise. Secrets come from flags or the environment, never from the
-file: the cluster token (`--cluster-token`, else $TANDEM_CLUSTER_TOKEN, else a fresh random one)
-and the API key reach every child in its environment. Imports only argparse and the standard
-library at import time.
+workers run on GPUs, TCP otherwise. The model comes positionally (`tandem serve MODEL`, as
+`vllm serve MODEL`) or as `--model`. Every flag `tandem worker` takes alike on each worker of a
+cluster (`tandem.server.worker_flags`: engine, front end, limits, KV lease) is a `tandem serve`
+flag too, with the same values, given to every worker when given: those a cluster file has keys
+for (`EngineSettings`) as the roles' engine settings, the others after each role's extra_args.
+Secrets come from flags or the environment, never from the file: the cluster token
+(`--cluster-token`, else $TANDEM_CLUSTER_TOKEN, else a fresh random one) and the API key reach
+every child in its environment. Imports only argparse and the standard library at import time.
 """
 
 from __future__ import annotations
@@ -16,19 +20,6 @@ import secrets
 import sys
 from typing import Any
 
-# Engine flags `tandem serve` gives every worker: flag -> (type, help); each is an EngineSettings
-# field of every role (a cluster file can set them per role instead).
-ENGINE_FLAGS: dict[str, tuple[type, str]] = {
-    "--dtype": (str, "auto, float32, bfloat16 or float16"),
-    "--max-model-len": (int, "the context length (default: the model's)"),
-    "--max-num-seqs": (int, "sequences in one batch"),
-    "--max-num-batched-tokens": (int, "tokens in one step"),
-    "--gpu-memory-utilization": (float, "the fraction of GPU memory a worker may use"),
-    "--block-size": (int, "tokens per KV block"),
-    "--num-kv-blocks": (int, "KV blocks per worker (default: what the memory allows)"),
-    "--scheduling-policy": (str, "fcfs or priority (requests' priority, lower first)"),
-}
-
 DEFAULT_CLUSTER: dict[str, Any] = {
     "roles": {
         "prefill": {"count": 1, "engine": {"kv_transport": "auto"}},
@@ -37,15 +28,64 @@ DEFAULT_CLUSTER: dict[str, Any] = {
 }
 
 
+class _RecordingGroup:
+    """Stands for a parser or one of its argument groups: adds the flags it is given there, each
+    unset unless given (default SUPPRESS), its groups to the parser, titled as every worker's;
+    and remembers every flag it added."""
+
+    def __init__(
+        self,
+        parser: argparse.ArgumentParser,
+        container: argparse._ActionsContainer,
+        added: list[argparse.Action],
+    ) -> None:
+        self.parser = parser
+        self.container = container
+        self.added = added
+
+    def add_argument(self, *flags: str, **settings: Any) -> argparse.Action:
+        action = self.container.add_argument(*flags, **{**settings, "default": argparse.SUPPRESS})
+        self.added.append(action)
+        return action
+
+    def add_argument_group(self, title: str) -> _RecordingGroup:
+        group = self.parser.add_argument_group(f"every worker: {title}")
+        return _RecordingGroup(self.parser, group, self.added)
+
+
+def add_worker_flags(parser: argparse.ArgumentParser) -> tuple[argparse.Action, ...]:
+    """`tandem worker`'s shared flags on `parser`, unset unless given."""
+    from tandem.server.worker_flags import add_worker_arguments
+
+    added: list[argparse.Action] = []
+    add_worker_arguments(_RecordingGroup(parser, parser, added))
+    return tuple(added)
+
+
+def as_worker_args(action: argparse.Action, value: Any) -> list[str]:
+    """A parsed flag's value as the worker's command line takes it."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [action.option_strings[0 if value else 1]]
+    if action.nargs == 0:  # store_true
+        return [action.option_strings[0]]
+    values = value if isinstance(value, list) else [value]
+    return [action.option_strings[0], *map(str, values)]
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="start a router and its workers on this host",
         description="Start a router and prefill/decode workers, wait until all are healthy, "
-        "restart any that exits, and stop all of them on Ctrl-C or SIGTERM.",
+        "restart any that exits, and stop all of them on Ctrl-C or SIGTERM. The flags of "
+        "every worker are tandem worker's, given to each worker when given (over a cluster "
+        "file's values; the worker's defaults otherwise).",
     )
+    from tandem.engine.cli import add_model_arguments
+    from tandem.http_options import add_request_log_argument
+
+    add_model_arguments(parser, "default: the cluster file's, else smollm2-135m-instruct")
     parser.add_argument("--config", metavar="CLUSTER_YAML", help="cluster description file")
-    parser.add_argument("--model", help="model to serve (default: smollm2-135m-instruct)")
     parser.add_argument(
         "--served-model-name",
         nargs="+",
@@ -69,29 +109,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="KV transport of prefill and decode (default auto: cuda-ipc on GPUs, else tcp)",
     )
     parser.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='workers answer tool_choice "auto" with calls found by --tool-call-parser',
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        metavar="NAME",
-        help="the model's tool call format: hermes, llama3_json, mistral or pythonic "
-        "(see tandem worker --help)",
-    )
-    parser.add_argument(
-        "--reasoning-parser",
-        metavar="NAME",
-        help="workers split reasoning off chat answers: deepseek_r1 or qwen3 "
-        "(see tandem worker --help)",
-    )
-    parser.add_argument(
-        "--chat-template",
-        metavar="TEMPLATE",
-        help="workers render chat messages with this Jinja template (or the file holding one) "
-        "instead of the model's",
-    )
-    parser.add_argument(
         "--api-key",
         help="the router and every worker require 'Authorization: Bearer KEY' on all but "
         "/health, /version and /metrics (given to them in the environment variable "
@@ -111,11 +128,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the router answers browsers' cross-origin (CORS) requests from these origins, or "
         "* for any (default: none)",
     )
-    engine = parser.add_argument_group("engine (every worker; worker defaults when left out)")
-    for flag, (kind, text) in ENGINE_FLAGS.items():
-        engine.add_argument(flag, type=kind, help=text)
     parser.add_argument("--host", help="the router's bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="the router's port (default 8000)")
+    parser.add_argument(
+        "--root-path",
+        metavar="PREFIX",
+        help="the router serves under this path prefix too (see tandem router --help)",
+    )
+    add_request_log_argument(parser)
     parser.add_argument(
         "--worker-port-base", type=int, metavar="PORT", help="first worker port (default port+100)"
     )
@@ -143,7 +163,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds a process gets to exit after SIGTERM before SIGKILL",
     )
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, worker_flags=add_worker_flags(parser))
 
 
 def _positive_int(text: str) -> int:
@@ -153,13 +173,33 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def given_worker_flags(args: argparse.Namespace) -> dict[str, tuple[argparse.Action, Any]]:
+    """The worker flags given on the command line, by name (argparse's dest). The tool call
+    parser only with --enable-auto-tool-choice, which a cluster's tool_call_parser implies: the
+    parser alone does not turn "auto" on, as in the worker."""
+    given = {
+        action.dest: (action, getattr(args, action.dest))
+        for action in args.worker_flags
+        if hasattr(args, action.dest)
+    }
+    if "enable_auto_tool_choice" not in given:
+        given.pop("tool_call_parser", None)
+    given.pop("enable_auto_tool_choice", None)
+    return given
+
+
 def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The dotted keys that the flags given on the command line set."""
-    from tandem.launcher.cluster import WORKER_ROLES
+    from tandem.engine.cli import model_of
+    from tandem.launcher.cluster import WORKER_ROLES, EngineSettings
 
-    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    settings = {
+        dest: value
+        for dest, (_, value) in given_worker_flags(args).items()
+        if dest in EngineSettings.model_fields
+    }
     flags = {
-        "model": args.model,
+        "model": model_of(args, "serve"),
         "served_model_name": args.served_model_name,
         "device": args.device,
         "roles.prefill.count": args.prefill,
@@ -169,12 +209,9 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "roles.prefill.engine.kv_transport": args.kv_transport,
         "roles.decode.engine.kv_transport": args.kv_transport,
         "roles.pd.engine.kv_transport": args.kv_transport,
-        **{f"roles.{role}.engine.tool_call_parser": parser for role in WORKER_ROLES},
-        **{f"roles.{role}.engine.reasoning_parser": args.reasoning_parser for role in WORKER_ROLES},
-        **{f"roles.{role}.engine.chat_template": args.chat_template for role in WORKER_ROLES},
         **{
-            f"roles.{role}.engine.{field}": getattr(args, field)
-            for field in (flag[2:].replace("-", "_") for flag in ENGINE_FLAGS)
+            f"roles.{role}.engine.{field}": value
+            for field, value in settings.items()
             for role in WORKER_ROLES
         },
         "router.host": args.host,
@@ -186,23 +223,53 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in flags.items() if value is not None}
 
 
-def run(args: argparse.Namespace) -> int:
-    from tandem.access import cluster_token_from_env
+def worker_extra_args(args: argparse.Namespace) -> list[str]:
+    """The given worker flags that a cluster file has no key for, as worker arguments."""
+    from tandem.launcher.cluster import EngineSettings
+
+    extra = [
+        arg
+        for dest, (action, value) in given_worker_flags(args).items()
+        if dest not in EngineSettings.model_fields
+        for arg in as_worker_args(action, value)
+    ]
+    return extra + (["--disable-log-requests"] if args.disable_log_requests else [])
+
+
+def router_extra_args(args: argparse.Namespace) -> list[str]:
+    extra = ["--root-path", args.root_path] if args.root_path else []
+    return extra + (["--disable-log-requests"] if args.disable_log_requests else [])
+
+
+def cluster_data(args: argparse.Namespace) -> Any:
+    """The cluster's description as plain data: the file's (or the default one) with the flags
+    given on the command line over it, the worker and router flags it has no key for after its
+    extra_args."""
     from tandem.launcher.cluster import (
-        ClusterError,
+        WORKER_ROLES,
+        append_args,
         load_cluster_file,
         merge_overrides,
-        parse_cluster,
     )
+
+    data = load_cluster_file(args.config) if args.config else DEFAULT_CLUSTER
+    data = merge_overrides(data, cluster_overrides(args))
+    for role in WORKER_ROLES:
+        data = append_args(data, f"roles.{role}.engine.extra_args", worker_extra_args(args))
+    return append_args(data, "router.extra_args", router_extra_args(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem.access import cluster_token_from_env
+    from tandem.launcher.cluster import ClusterError, parse_cluster
     from tandem.launcher.plan import child_environment, plan_processes, resolve_device
     from tandem.launcher.supervisor import Supervisor
 
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+    if hasattr(args, "enable_auto_tool_choice") and not hasattr(args, "tool_call_parser"):
         print("tandem serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2
     try:
-        data = load_cluster_file(args.config) if args.config else DEFAULT_CLUSTER
-        spec = parse_cluster(merge_overrides(data, cluster_overrides(args)), args.config)
+        spec = parse_cluster(cluster_data(args), args.config)
         device, num_gpus = resolve_device(spec.device)
     except (ClusterError, RuntimeError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)

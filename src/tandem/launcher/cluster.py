@@ -288,3 +288,18 @@ def merge_overrides(data: Any, overrides: dict[str, Any]) -> Any:
         else:
             node[leaf] = value
     return merged
+
+
+def append_args(data: Any, dotted: str, args: list[str]) -> Any:
+    """`data` with `args` after the list at the dotted key (e.g. "router.extra_args"), which
+    they start if it is missing; a malformed file is left for validation to name."""
+    if not args:
+        return data
+    existing: Any = data
+    for key in dotted.split("."):
+        existing = existing.get(key) if isinstance(existing, dict) else None
+    if existing is None:
+        existing = []
+    if not isinstance(existing, list):
+        return data
+    return merge_overrides(data, {dotted: [*existing, *args]})

@@ -14,6 +14,8 @@ body as it arrives, whatever flow then serves it (a decode worker would otherwis
 KV, from wherever, a client's fields named).
 The router runs one health round before it serves, so static workers that are up are in the pool
 from the first request on; a registering worker joins once its own health check passes.
+`/v1/models` lists the workers' own model entries (created, max_model_len). An unknown path (404)
+or method (405) is answered with an OpenAI error object too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tandem
@@ -56,6 +59,23 @@ class WorkerAnnouncement(BaseModel):
 
 def error_response(status: int, message: str, code: str, error_type: str) -> Response:
     return Response(error_body(message, error_type, code), status, media_type="application/json")
+
+
+def route_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's answer for a path it does not know (404) or a method the path does not take
+    (405), as an OpenAI error object."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message, code = f"{where}: no such endpoint; the OpenAI API is under /v1", "not_found"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "another method")
+        message, code = f"{where}: this endpoint takes {allowed}", "method_not_allowed"
+    else:
+        message, code = f"{where}: {exc.detail}", str(exc.status_code)
+    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    response = error_response(exc.status_code, message, code, error_type)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def parse_request_body(
@@ -161,10 +181,13 @@ def create_app(config: RouterConfig) -> FastAPI:
             return error_response(401, message, "invalid_cluster_token", "invalid_request_error")
         return None
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return route_error(request, exc)
+
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [{"id": name, "object": "model", "owned_by": "tandem"} for name in pool.models()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": pool.model_cards()})
 
     @app.post("/tokenize")
     @app.post("/detokenize")

@@ -14,6 +14,7 @@ from tandem.access import (
     api_key_from_env,
     cluster_token_from_env,
 )
+from tandem.http_options import add_http_arguments, check_http_args
 from tandem.limits import add_body_limit_arguments, body_limits_from_args
 from tandem.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 
@@ -88,19 +89,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         f"variable {CLUSTER_TOKEN_ENV}, which keeps it out of process lists)",
     )
     add_body_limit_arguments(parser.add_argument_group("request limits (a 400 or 413 beyond)"))
+    add_http_arguments(parser.add_argument_group("HTTP server"))
     timing = parser.add_argument_group("timeouts and health (seconds)")
     timing.add_argument("--connect-timeout", type=float, default=DEFAULTS.connect_timeout_s)
-    timing.add_argument(
-        "--prefill-timeout",
-        type=float,
-        default=DEFAULTS.prefill_timeout_s,
-        help="longest wait for a prefill answer",
-    )
     timing.add_argument(
         "--read-timeout",
         type=float,
         default=DEFAULTS.read_timeout_s,
-        help="longest silence tolerated from a decode or plain leg",
+        help="how long a request still waits on a worker that stopped answering its health "
+        "checks before it is answered 504 (a request is never cut while its worker answers "
+        "them, however long it takes)",
     )
     timing.add_argument(
         "--max-attempts",
@@ -149,7 +147,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         allowed_origins=tuple(args.allowed_origins),
         cluster_token=args.cluster_token or None,
         connect_timeout_s=args.connect_timeout,
-        prefill_timeout_s=args.prefill_timeout,
         read_timeout_s=args.read_timeout,
         max_attempts=args.max_attempts,
         health_interval_s=args.health_interval,
@@ -170,19 +167,22 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from tandem.http_options import quiet_probes, under_root_path, uvicorn_options
     from tandem.keep_awake import KeepAwake
     from tandem.router.app import create_app
 
+    check_http_args(args, "router")
     config = config_from_args(args)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    quiet_probes()
     uvicorn.run(
-        KeepAwake(create_app(config), config.busy_poll_s),
+        under_root_path(KeepAwake(create_app(config), config.busy_poll_s), args.root_path),
         host=config.host,
         port=config.port,
         log_level=config.log_level,
-        access_log=False,
         timeout_graceful_shutdown=5,
+        **uvicorn_options(args),
     )
     return 0

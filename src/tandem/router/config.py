@@ -39,11 +39,11 @@ class RouterConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins answered (CORS)
     # the cluster's secret: what registering workers send, and what the router sends workers
     cluster_token: str | None = None
-    # Upstream calls: connecting, waiting for the prefill answer, and the longest silence
-    # tolerated on a decode or plain leg.
+    # Upstream calls: connecting; and how long a leg (prefill, decode or plain) still waits on
+    # a worker out of the pool whose health checks go unanswered. No leg is cut while its worker
+    # answers them, however long its request takes (workers.py).
     connect_timeout_s: float = 3.0
-    prefill_timeout_s: float = 600.0
-    read_timeout_s: float = 600.0
+    read_timeout_s: float = 10.0
     # How many workers one leg tries before it gives up.
     max_attempts: int = 3
     # Health checks of every known worker, and the heartbeat deadline of registered ones.
@@ -81,3 +81,5 @@ class RouterConfig:
             raise ValueError("busy_poll_s must be 0 or more")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        if self.read_timeout_s <= 0:
+            raise ValueError("read_timeout_s must be more than 0")

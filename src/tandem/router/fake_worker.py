@@ -17,8 +17,10 @@ plain requests only. A prefill leg must have the protocol's shape (stream false,
 stream_options, n 1; min_tokens at most 1, as vllm-router sends it); a decode leg's
 kv_transfer_params must match its prompt.
 
-Test hooks: `GET /fake/stats` (the requests seen, leases released, streams aborted), `POST
-/fake/control` (health status, refusal status, delays, exit). With an API key it wants the key
+Test hooks: `GET /fake/stats` (the requests seen, leases released, streams and answers aborted),
+`POST /fake/control` (health status, refusal status, delays, exit). A delay of the whole answers
+(`answer_delay_s`) makes a long generation; one of `/health` (`health_delay_s`) longer than the
+router's health timeout makes a wedged worker. With an API key it wants the key
 as a tandem worker does (the test hooks stay open).
 """
 
@@ -42,6 +44,7 @@ from tandem.access import OPEN_PATHS, api_key_from_env, guard
 
 EOS_WORD = "STOP"
 DEFAULT_MAX_TOKENS = 16
+FAKE_MAX_MODEL_LEN = 4096
 
 
 def token_id(word: str) -> int:
@@ -75,6 +78,8 @@ class FakeControl:
     refuse_status: int | None = None
     token_delay_s: float = 0.0
     prefill_delay_s: float = 0.0
+    answer_delay_s: float = 0.0  # before a whole (non-streamed) decode or plain answer
+    health_delay_s: float = 0.0
 
 
 @dataclass
@@ -85,6 +90,7 @@ class FakeStats:
     completed_streams: int = 0
     aborted_streams: int = 0
     aborted_prefills: int = 0
+    aborted_answers: int = 0
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -232,12 +238,9 @@ def create_fake_worker(
             return _error(400, problem)
 
         if kind == "prefill":
-            deadline = time.monotonic() + control.prefill_delay_s
-            while time.monotonic() < deadline:
-                if await request.is_disconnected():
-                    stats.aborted_prefills += 1
-                    return Response(status_code=499)
-                await asyncio.sleep(0.01)
+            if not await stays_connected(request, control.prefill_delay_s):
+                stats.aborted_prefills += 1
+                return Response(status_code=499)
             pieces, finish = echo_completion(words, 1)
             answer = completion(endpoint, body, pieces, finish)
             answer["usage"] = usage(words, pieces, finish)
@@ -270,6 +273,9 @@ def create_fake_worker(
             return StreamingResponse(
                 stream(endpoint, body, words, pieces, finish), media_type="text/event-stream"
             )
+        if not await stays_connected(request, control.answer_delay_s):
+            stats.aborted_answers += 1
+            return Response(status_code=499)
         answer = completion(endpoint, body, pieces, finish)
         answer["usage"] = usage(words, pieces, finish)
         return JSONResponse(answer)
@@ -287,13 +293,17 @@ def create_fake_worker(
         stats.released.append((await request.json())["remote_request_id"])
         return JSONResponse({"released": True})
 
+    started = int(time.time())
+
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [{"id": model, "object": "model", "owned_by": "tandem"}]
+        card = {"object": "model", "created": started, "owned_by": "tandem"}
+        data = [dict(card, id=model, max_model_len=FAKE_MAX_MODEL_LEN)]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
     async def health() -> Response:
+        await asyncio.sleep(control.health_delay_s)
         return JSONResponse({"role": role}, control.health_status)
 
     @app.get("/metrics")
@@ -315,6 +325,16 @@ def create_fake_worker(
         return JSONResponse(asdict(control))
 
     return app
+
+
+async def stays_connected(request: Request, seconds: float) -> bool:
+    """Waits `seconds`; False as soon as the client disconnects."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if await request.is_disconnected():
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 def _dumps(payload: dict[str, Any]) -> str:

@@ -6,6 +6,11 @@ after the first byte), `aborted` (the client went away).
 
 `tandem_router_added_seconds` is the router's own share of the time to the first byte: the time
 from the request's arrival to its first byte sent, less the time spent waiting on workers.
+
+Three are also kept under vLLM's names, with vLLM's label `model_name` (the request's model, else
+the workers'), for dashboards and autoscalers made for vLLM: `vllm:request_success_total` and
+`vllm:e2e_request_latency_seconds` count the requests answered in full (outcome `success`),
+`vllm:time_to_first_token_seconds` the streamed ones' first token as the client gets it.
 """
 
 from __future__ import annotations
@@ -84,6 +89,26 @@ class RouterMetrics:
             "tandem_router_kv_releases",
             "Prefill leases the router released: requests given up between the legs, or "
             "answered by the prefill leg alone.",
+            registry=self.registry,
+        )
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from a streaming request's arrival to its first token sent.",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from a request's arrival to its last byte sent, for requests answered in full.",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.vllm_success = Counter(
+            "vllm:request_success",
+            "Requests answered in full.",
+            ["model_name"],
             registry=self.registry,
         )
         self.handoffs = Counter(

@@ -13,8 +13,8 @@ prefill leg, carrying a handoff id; the decode worker waits on the prefill worke
 for the prefill's announcement instead of for the router (docs/protocol.md). The client sees the
 same stream.
 
-Plain (n > 1, batch prompts, prompt logprobs, tool calls, or no prefill/decode pair): the body
-goes unchanged to a decode or `both` worker and its answer is relayed.
+Plain (n > 1, batch prompts, prompt logprobs, max_tokens 0, tool calls, or no prefill/decode
+pair): the body goes unchanged to a decode or `both` worker and its answer is relayed.
 
 Invariants:
 * Nothing is sent to the client before the first leg answered, so until then a worker that is
@@ -26,6 +26,9 @@ Invariants:
   The decode leg is also retried on another decode worker while none of its bytes reached the
   client (the prefill lease still holds the KV).
 * After the first byte, a failure ends the stream with an error event and `data: [DONE]`.
+* No leg has a read timeout (legs.py): a leg ends early only when its worker is lost (its
+  health checks went unanswered for `read_timeout_s`, or its heartbeats stopped): 504
+  `worker_lost` before the first byte, an error event after.
 * The prefill lease is released (`POST /v1/kv/release`) whenever the decode leg never answered
   200 or failed mid-stream; a client that leaves mid-decode is left to the decode worker, which
   sees its connection close.
@@ -47,6 +50,14 @@ import aiohttp
 import msgspec
 
 from tandem.router.config import Role, RouterConfig
+from tandem.router.legs import (
+    Leg,
+    NoWorker,
+    WorkerLost,
+    give_up,
+    send_leg,
+    worker_title,
+)
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import (
     PinnedPolicy,
@@ -95,14 +106,6 @@ class PrefillAnswer:
     kv_transfer_params: dict[str, Any] | None
 
 
-class NoWorker(Exception):
-    """No worker of the leg's pool could take it."""
-
-
-class LegTimeout(Exception):
-    """A worker accepted a leg but stayed silent past the timeout."""
-
-
 @dataclass
 class RequestContext:
     endpoint: str  # "completions" | "chat"
@@ -124,28 +127,6 @@ def waiting_on_workers(ctx: RequestContext) -> Iterator[None]:
         yield
     finally:
         ctx.upstream_wait_s += time.perf_counter() - started
-
-
-class Leg:
-    """One upstream call: the worker it went to and its (streamed) response."""
-
-    def __init__(self, pool: WorkerPool, worker: Worker, response: aiohttp.ClientResponse):
-        self.worker = worker
-        self.response = response
-        self._pool = pool
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Finish the leg; a response not read to its end is cut, which aborts it upstream."""
-        if self._closed:
-            return
-        self._closed = True
-        self.response.close()
-        self._pool.finish(self.worker)
 
 
 def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -182,9 +163,9 @@ def is_single_prompt(endpoint: str, body: dict[str, Any]) -> bool:
 def needs_one_worker(endpoint: str, body: dict[str, Any]) -> bool:
     """Whether one worker must answer the request whole: it wants its prompt's logprobs
     (vLLM's prompt_logprobs, or echo with logprobs; only the worker that computes the prompt
-    has them), or tool calls (made of the whole output, where the PD flow streams the first
-    token's text)."""
-    if body.get("prompt_logprobs") is not None:
+    has them), no token at all (max_tokens 0: echo scores the prompt only), or tool calls
+    (made of the whole output, where the PD flow streams the first token's text)."""
+    if body.get("prompt_logprobs") is not None or body.get("max_tokens") == 0:
         return True
     if endpoint == "chat":
         return bool(body.get("tools")) and body.get("tool_choice") != "none"
@@ -219,10 +200,9 @@ class Proxy:
         self.decode_policy: Policy = make_policy(
             config.decode_policy, config.prefix_balance_threshold
         )
-        self._prefill_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout_s, sock_read=config.prefill_timeout_s
-        )
-        self._read_timeout = aiohttp.ClientTimeout(
+        # a leg waits as long as its worker lives; a tokenizer call is short
+        self._leg_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
+        self._call_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=config.connect_timeout_s, sock_read=config.read_timeout_s
         )
         self._session: aiohttp.ClientSession | None = None
@@ -273,14 +253,29 @@ class Proxy:
                     self.metrics.added.observe(max(0.0, now - ctx.started - ctx.upstream_wait_s))
                     if ctx.stream and ctx.status == 200:
                         self.metrics.ttft.labels(ctx.endpoint).observe(now - ctx.started)
+                        model_name = self._model_name(ctx)
+                        self.metrics.vllm_ttft.labels(model_name).observe(now - ctx.started)
                 yield item
         except (GeneratorExit, asyncio.CancelledError):
             ctx.outcome = "aborted"
             raise
         finally:
             await flow.aclose()
+            elapsed = time.perf_counter() - ctx.started
             self.metrics.requests.labels(ctx.endpoint, ctx.outcome).inc()
-            self.metrics.e2e.labels(ctx.endpoint).observe(time.perf_counter() - ctx.started)
+            self.metrics.e2e.labels(ctx.endpoint).observe(elapsed)
+            if ctx.outcome == "success":  # the model name is one the workers serve
+                model_name = self._model_name(ctx)
+                self.metrics.vllm_e2e.labels(model_name).observe(elapsed)
+                self.metrics.vllm_success.labels(model_name).inc()
+
+    def _model_name(self, ctx: RequestContext) -> str:
+        """The request's model, else the workers' (vLLM's label `model_name`)."""
+        model = ctx.body.get("model")
+        if isinstance(model, str):
+            return model
+        served = self.pool.models()
+        return served[0] if served else ""
 
     async def _route(self, ctx: RequestContext) -> Flow:
         disaggregate = (
@@ -305,7 +300,6 @@ class Proxy:
         roles: tuple[Role, ...],
         policy: Policy,
         body: dict[str, Any],
-        timeout: aiohttp.ClientTimeout,
         prefix: Sequence[int] = (),
         accept: Callable[[Worker], bool] | None = None,
     ) -> Leg:
@@ -329,18 +323,22 @@ class Proxy:
             tried.append(worker.url)
             self.pool.begin(worker)
             try:
-                response = await self.session.post(
-                    worker.url + PATHS[ctx.endpoint], data=payload, headers=headers, timeout=timeout
+                response = await send_leg(
+                    self.session,
+                    worker,
+                    leg_name,
+                    PATHS[ctx.endpoint],
+                    payload,
+                    headers,
+                    self._leg_timeout,
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 self.pool.finish(worker)
                 self.pool.mark_down(worker, str(exc) or exc.__class__.__name__)
                 failures.append(f"{worker.url} is unreachable")
-            except asyncio.TimeoutError as exc:  # connected, but no answer within the timeout
+            except WorkerLost:
                 self.pool.finish(worker)
-                raise LegTimeout(
-                    f"the {leg_name} worker {worker.url} did not answer in time"
-                ) from exc
+                raise
             except aiohttp.ClientConnectionError as exc:
                 self.pool.finish(worker)
                 failures.append(f"{worker.url} dropped the connection ({exc.__class__.__name__})")
@@ -352,10 +350,10 @@ class Proxy:
                 raise
             else:
                 if response.status not in REFUSAL_STATUSES:
-                    return Leg(self.pool, worker, response)
+                    return Leg(self.pool, worker, response, leg_name)
                 try:
                     detail = (await response.text())[:200]
-                except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+                except (aiohttp.ClientError, UnicodeDecodeError):
                     detail = ""
                 finally:
                     response.close()
@@ -375,7 +373,7 @@ class Proxy:
         for worker in self.pool.available(("both", "decode", "prefill")):
             try:
                 async with self.session.post(
-                    worker.url + path, data=payload, headers=headers, timeout=self._read_timeout
+                    worker.url + path, data=payload, headers=headers, timeout=self._call_timeout
                 ) as response:
                     data = await response.read()
                     if response.status not in REFUSAL_STATUSES:
@@ -391,9 +389,12 @@ class Proxy:
 
     @staticmethod
     async def _read_leg(leg: Leg) -> bytes:
-        """The whole body of a leg; the leg is closed after."""
+        """The whole body of a leg (WorkerLost if its worker is lost meanwhile); the leg is
+        closed after."""
         try:
             return await leg.response.read()
+        except aiohttp.ClientError as exc:
+            raise leg.failure(exc) from exc
         finally:
             leg.close()
 
@@ -449,19 +450,14 @@ class Proxy:
         try:
             with waiting_on_workers(ctx):
                 leg = await self._open_leg(
-                    ctx,
-                    "plain",
-                    ("decode", "both"),
-                    self.decode_policy,
-                    ctx.body,
-                    self._read_timeout,
+                    ctx, "plain", ("decode", "both"), self.decode_policy, ctx.body
                 )
         except NoWorker as exc:
             for item in self._refusal(ctx, 503, str(exc), "no_worker", "no_worker"):
                 yield item
             return
-        except LegTimeout as exc:
-            for item in self._refusal(ctx, 504, str(exc), "upstream_timeout", "upstream_error"):
+        except WorkerLost as exc:
+            for item in self._refusal(ctx, 504, str(exc), "worker_lost", "upstream_error"):
                 yield item
             return
 
@@ -469,7 +465,11 @@ class Proxy:
             try:
                 with waiting_on_workers(ctx):
                     data = await self._read_leg(leg)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except WorkerLost as exc:
+                for item in self._refusal(ctx, 504, str(exc), "worker_lost", "upstream_error"):
+                    yield item
+                return
+            except aiohttp.ClientError as exc:
                 message = f"the worker {leg.worker.url} failed: {exc!r}"
                 for item in self._refusal(ctx, 502, message, "upstream_error", "upstream_error"):
                     yield item
@@ -488,11 +488,20 @@ class Proxy:
                 finished = payload == b"[DONE]"
             if not finished:
                 raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except aiohttp.ClientError as exc:
             ctx.outcome = "upstream_error"
-            yield error_event(f"the worker {leg.worker.url} failed mid-stream: {exc!r}", "upstream")
+            yield self._mid_stream_error(leg, exc)
         finally:
             leg.close()
+
+    @staticmethod
+    def _mid_stream_error(leg: Leg, exc: BaseException) -> bytes:
+        """The events that end a stream whose leg failed after its first byte."""
+        failure = leg.failure(exc)
+        if isinstance(failure, WorkerLost):
+            return error_event(str(failure), "worker_lost")
+        message = f"{worker_title(leg.name, leg.worker)} failed mid-stream: {exc!r}"
+        return error_event(message, "upstream")
 
     # ---- disaggregated: prefill leg, then decode leg --------------------------------------------
 
@@ -536,7 +545,6 @@ class Proxy:
                     ("prefill",),
                     self.prefill_policy if pinned is None else PinnedPolicy(),
                     body,
-                    self._prefill_timeout,
                     prefix,
                     None if pinned is None else (lambda worker: worker is pinned),
                 )
@@ -545,9 +553,8 @@ class Proxy:
             if pinned is not None:
                 raise
             return self._refusal(ctx, 503, str(exc), "no_worker", "no_worker")
-        except (LegTimeout, asyncio.TimeoutError) as exc:
-            message = f"the prefill leg timed out: {exc}"
-            return self._refusal(ctx, 504, message, "upstream_timeout", "upstream_error")
+        except WorkerLost as exc:
+            return self._refusal(ctx, 504, str(exc), "worker_lost", "upstream_error")
         except aiohttp.ClientError as exc:
             message = f"the prefill worker failed: {exc!r}"
             return self._refusal(ctx, 502, message, "upstream_error", "upstream_error")
@@ -641,10 +648,7 @@ class Proxy:
         )
         opening = asyncio.ensure_future(
             self._open_decode_leg(
-                ctx,
-                decode_body,
-                self._prefill_timeout,  # it answers once the prefill is done
-                accept=lambda worker: _can_wait_on(worker, prefill_worker),
+                ctx, decode_body, accept=lambda worker: _can_wait_on(worker, prefill_worker)
             )
         )
         flow: Flow | None = None
@@ -652,16 +656,16 @@ class Proxy:
             try:
                 prefill = await self._prefill(ctx, prefill_body, prefix, pinned=prefill_worker)
             except NoWorker:
-                _give_up(opening)
+                give_up(opening)
                 flow = self._in_sequence(ctx, prefix)
             else:
                 if not isinstance(prefill, PrefillAnswer):
-                    _give_up(opening)
+                    give_up(opening)
                     for item in prefill:
                         yield item
                     return
                 if prefill.kv_transfer_params is None:
-                    _give_up(opening)
+                    give_up(opening)
                     for item in self._prefill_alone(ctx, prefill):
                         yield item
                     return
@@ -671,23 +675,16 @@ class Proxy:
         finally:
             if flow is not None:
                 await flow.aclose()
-            _give_up(opening)
+            give_up(opening)
 
     def _open_decode_leg(
         self,
         ctx: RequestContext,
         decode_body: dict[str, Any],
-        timeout: aiohttp.ClientTimeout | None = None,
         accept: Callable[[Worker], bool] | None = None,
     ) -> Any:
         return self._open_leg(
-            ctx,
-            "decode",
-            ("decode",),
-            self.decode_policy,
-            decode_body,
-            timeout or self._read_timeout,
-            accept=accept,
+            ctx, "decode", ("decode",), self.decode_policy, decode_body, accept=accept
         )
 
     async def _decode_whole(
@@ -702,9 +699,8 @@ class Proxy:
         except NoWorker as exc:
             for item in self._refusal(ctx, 503, str(exc), "no_worker", "no_worker"):
                 yield item
-        except (LegTimeout, asyncio.TimeoutError) as exc:
-            message = f"the decode leg timed out: {exc}"
-            for item in self._refusal(ctx, 504, message, "upstream_timeout", "upstream_error"):
+        except WorkerLost as exc:
+            for item in self._refusal(ctx, 504, str(exc), "worker_lost", "upstream_error"):
                 yield item
         except aiohttp.ClientError as exc:
             message = f"the decode worker failed: {exc!r}"
@@ -797,9 +793,9 @@ class Proxy:
                 ctx.outcome = "no_worker"
                 yield error_event(str(exc), "no_worker")
                 return
-            except (LegTimeout, asyncio.TimeoutError) as exc:
+            except WorkerLost as exc:
                 ctx.outcome = "upstream_error"
-                yield error_event(f"the decode leg timed out: {exc}", "upstream_timeout")
+                yield error_event(str(exc), "worker_lost")
                 return
             if leg.response.status != 200:
                 yield await self._decode_refusal_event(ctx, leg)
@@ -807,15 +803,17 @@ class Proxy:
             async for event in self._relay_decode(ctx, leg, len(first_text)):
                 yield event
             completed = True
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, ValueError) as exc:
             ctx.outcome = "upstream_error"
-            worker = leg.worker.url if leg is not None else "?"
-            yield error_event(f"the decode worker {worker} failed mid-stream: {exc!r}", "upstream")
+            if leg is None:
+                yield error_event(f"the decode leg failed: {exc!r}", "upstream")
+            else:
+                yield self._mid_stream_error(leg, exc)
         except (GeneratorExit, asyncio.CancelledError):
             completed = leg is not None  # the client left mid-decode: the decode worker aborts
             raise
         finally:
-            _give_up(opening)
+            give_up(opening)
             if leg is not None:
                 leg.close()
             if not completed:
@@ -827,7 +825,7 @@ class Proxy:
         try:
             detail = (await self._read_leg(leg)).decode(errors="replace")
             message = msgspec.json.decode(detail)["error"]["message"]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+        except (aiohttp.ClientError, ValueError, KeyError, TypeError):
             message = f"the decode worker {leg.worker.url} answered {status}"
         return error_event(message, str(status))
 
@@ -897,16 +895,3 @@ def _can_wait_on(decode_worker: Worker, prefill_worker: Worker) -> bool:
         decode_worker.takes_handoffs
         and (decode_worker.kv_endpoint or {}).get("transport") == transport
     )
-
-
-def _give_up(opening: asyncio.Future[Leg]) -> None:
-    """Cancels a leg still opening, and closes it if it opens all the same (which aborts it)."""
-    if not opening.done():
-        opening.cancel()
-    opening.add_done_callback(_close_opened_leg)
-
-
-def _close_opened_leg(task: asyncio.Future[Leg]) -> None:
-    """Closes a decode leg whose opening finished after its request was given up."""
-    if not task.cancelled() and task.exception() is None and not task.result().closed:
-        task.result().close()

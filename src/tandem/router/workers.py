@@ -11,6 +11,14 @@ healthy:
   brings it back);
 * a registered worker whose last heartbeat is older than `heartbeat_timeout_s` is out.
 
+Out of the pool is not *lost*. The requests in flight on a worker are never cut for taking long
+(a long generation or a long queue is no failure, and vLLM's server cuts neither); they are
+given up only when the worker is lost: out of the pool with its health checks unanswered (timed
+out, not refused) for `read_timeout_s`, or, registered, forgotten for its missing heartbeats.
+`Worker.when_lost()` is resolved then, with the reason, and the legs waiting on it end. A
+refused health check does not count: a worker that closed its port is draining (its open
+connections still answer) or dead (they break on their own).
+
 Every worker, static or registered, enters the pool only through a passing health check: the
 router runs one round before it serves, and checks a registering worker at once (a heartbeat
 from a worker out of the pool triggers another check), so registration is discovery, never a
@@ -24,7 +32,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -49,6 +57,23 @@ class Worker:
     # tandem workers' /health tells their KV transport and, for a prefill worker, where a decode
     # worker waits for its handoff announcements; None for other workers (vLLM's, say).
     kv_endpoint: dict[str, Any] | None = None
+    # the worker's /v1/models entries (id, created, max_model_len, ...), read when it enters
+    # the pool
+    model_cards: list[dict[str, Any]] | None = None
+    unanswered_since: float | None = None  # when its health checks began to go unanswered
+    _lost: asyncio.Future[str] | None = field(default=None, repr=False)
+
+    def when_lost(self) -> asyncio.Future[str]:
+        """Resolved, with the reason, once the pool gives this worker up for lost."""
+        if self._lost is None:
+            self._lost = asyncio.get_running_loop().create_future()
+        return self._lost
+
+    def give_up(self, reason: str) -> None:
+        """Ends what waits on `when_lost()`; a later wait gets a new, unresolved signal."""
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(reason)
+        self._lost = None
 
     @property
     def takes_handoffs(self) -> bool:
@@ -143,6 +168,8 @@ class WorkerPool:
                 del self._workers[worker.url]
                 self._metrics.forget_worker(worker.url, worker.role)
                 logger.warning("worker %s (%s) missed its heartbeats", worker.url, worker.role)
+                timeout = self._config.heartbeat_timeout_s
+                worker.give_up(f"its heartbeats stopped for {timeout:g} s")
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -170,6 +197,17 @@ class WorkerPool:
         seen = (worker.model for worker in self.available(ROLES) if worker.model)
         return list(dict.fromkeys(seen))
 
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The /v1/models entries of the workers in the pool, one per model name: the workers'
+        own (created, max_model_len, ...), or a bare one for a worker whose list was not read."""
+        cards: dict[str, dict[str, Any]] = {}
+        for worker in self.available(ROLES):
+            for card in worker.model_cards or []:
+                cards.setdefault(card["id"], card)
+            if worker.model and worker.model not in cards:
+                cards[worker.model] = {"id": worker.model, "object": "model", "owned_by": "tandem"}
+        return list(cards.values())
+
     # ---- load and health --------------------------------------------------------------------
 
     def begin(self, worker: Worker) -> None:
@@ -190,9 +228,15 @@ class WorkerPool:
         worker.consecutive_failures = max(worker.consecutive_failures, 1)
         self._publish(worker)
 
-    def _record_check(self, worker: Worker, ok: bool) -> None:
+    def _record_check(self, worker: Worker, ok: bool, unanswered_since: float | None) -> None:
+        """One check's result; `unanswered_since` is when the check was sent if it got no
+        answer at all (timed out, or the connection broke), else None."""
         if self._workers.get(worker.url) is not worker:
             return  # forgotten while its check was in flight
+        if unanswered_since is None:
+            worker.unanswered_since = None
+        elif worker.unanswered_since is None:
+            worker.unanswered_since = unanswered_since
         if ok:
             if not worker.healthy:
                 logger.info("worker %s (%s) is healthy", worker.url, worker.role)
@@ -203,6 +247,9 @@ class WorkerPool:
             if worker.healthy and worker.consecutive_failures >= self._config.health_failures:
                 logger.warning("worker %s (%s) failed its health checks", worker.url, worker.role)
                 worker.healthy = False
+            silent_s = time.monotonic() - (worker.unanswered_since or time.monotonic())
+            if not worker.healthy and silent_s >= self._config.read_timeout_s:
+                worker.give_up(f"its health checks went unanswered for {silent_s:.1f} s")
         self._publish(worker)
 
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
@@ -217,25 +264,47 @@ class WorkerPool:
 
     async def _check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         timeout = aiohttp.ClientTimeout(total=self._config.health_timeout_s)
+        sent = time.monotonic()
+        unanswered_since = None
         try:
             async with session.get(worker.url + "/health", timeout=timeout) as response:
                 ok = response.status == 200
                 if ok:
                     worker.kv_endpoint = kv_endpoint_of(await response.read())
-            if ok and worker.model is None:
-                async with session.get(worker.url + "/v1/models", timeout=timeout) as response:
-                    if response.status == 200:
-                        data = (await response.json()).get("data") or []
-                        worker.model = data[0]["id"] if data else None
-                    elif response.status == 401:
-                        logger.warning(
-                            "worker %s wants an API key the router does not send: give the "
-                            "router the workers' key (--api-key)",
-                            worker.url,
-                        )
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+            if ok and (worker.model_cards is None or not worker.healthy):
+                await self._read_models(session, worker, timeout)
+        except aiohttp.ClientConnectorError as exc:  # refused: draining, or dead
             ok = False
-        self._record_check(worker, ok)
+            if not isinstance(exc.os_error, ConnectionRefusedError):
+                unanswered_since = sent
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+            unanswered_since = sent
+        except (ValueError, KeyError, TypeError, AttributeError):  # not a worker's answer
+            ok = False
+        self._record_check(worker, ok, unanswered_since)
+
+    @staticmethod
+    async def _read_models(
+        session: aiohttp.ClientSession, worker: Worker, timeout: aiohttp.ClientTimeout
+    ) -> None:
+        """Reads the worker's /v1/models entries (and its model's name, unless it told it)."""
+        async with session.get(worker.url + "/v1/models", timeout=timeout) as response:
+            if response.status == 200:
+                cards = (await response.json()).get("data") or []
+                worker.model_cards = [
+                    card
+                    for card in cards
+                    if isinstance(card, dict) and isinstance(card.get("id"), str)
+                ]
+                if worker.model is None and worker.model_cards:
+                    worker.model = worker.model_cards[0]["id"]
+            elif response.status == 401:
+                logger.warning(
+                    "worker %s wants an API key the router does not send: give the "
+                    "router the workers' key (--api-key)",
+                    worker.url,
+                )
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         """One health round: expire silent registered workers, then check every known one."""

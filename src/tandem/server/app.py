@@ -3,9 +3,10 @@ extensions (kv_transfer_params in and out, `POST /v1/kv/release`). A worker with
 takes those only from the cluster (`tandem.access`; 403 otherwise); the engine client checks the
 fields themselves (`tandem.kv.params`; 400) before the engine sees the request.
 
-Every error a client can cause is an OpenAI-style error object with a 4xx status; a 5xx means a
-bug. A client that disconnects aborts its request in the engine at once. With an API key, every
-endpoint but /health, /version and /metrics needs it (`tandem.access`).
+Every error a client can cause is an OpenAI-style error object with a 4xx status (an unknown
+path or method too); a 5xx means a bug. A client that disconnects aborts its request in the
+engine at once. With an API key, every endpoint but /health, /version and /metrics needs it
+(`tandem.access`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 import tandem
 from tandem.access import from_cluster, guard
@@ -83,6 +85,7 @@ class ServerSettings:
     body_limits: BodyLimits = BodyLimits()  # a request body's size and JSON depth
     field_limits: FieldLimits = FieldLimits()  # stop strings, logit_bias, structured outputs
     max_waiting: int = 1024  # the engine's queue: the most sequences one request may start
+    max_logprobs: int = 20  # the most logprobs per token a request may ask for (-1: the vocabulary)
 
 
 @dataclass
@@ -134,6 +137,21 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(ClientError)
     async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
         return _error(str(exc), exc.status, exc.param, exc.code)
+
+    @app.exception_handler(HTTPException)
+    async def _route_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """An unknown path (404) or a method its path does not take (405)."""
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message, code = f"{where}: no such endpoint; the OpenAI API is under /v1", "not_found"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "another method")
+            message, code = f"{where}: this endpoint takes {allowed}", "method_not_allowed"
+        else:
+            message, code = f"{where}: {exc.detail}", None
+        response = _error(message, exc.status_code, code=code)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.get("/health")
     async def health() -> Response:
@@ -257,8 +275,13 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
                     "--role prefill or --role decode",
                     param="kv_transfer_params",
                 )
-            if body.n != 1:
-                raise ClientError("n must be 1 for a disaggregated (PD) request", param="n")
+            if body.n > 1 and params.get("do_remote_decode"):
+                body.n = 1  # the prompt once, one lease: the decode leg samples the n sequences
+            if body.n > 1 and params.get("handoff_id"):
+                raise ClientError(
+                    "a handoff's decode leg samples one sequence: send n > 1 without a handoff",
+                    param="n",
+                )
         if params.get("do_remote_prefill") and body.wanted_prompt_logprobs() is not None:
             raise ClientError(
                 "prompt logprobs need the prompt computed here; a decode leg loads its KV. "
@@ -277,11 +300,25 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         except ValueError as exc:  # FieldError names its field
             raise ClientError(str(exc), param=getattr(exc, "param", None)) from exc
 
+    def check_logprobs(body: SamplingFields) -> None:
+        """At most --max-logprobs per token (-1: the vocabulary), sampled or of the prompt."""
+        vocab_size = client.info.vocab_size
+        limit = min(settings.max_logprobs, vocab_size) if settings.max_logprobs >= 0 else vocab_size
+        for param in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            wanted = getattr(body, param, None)
+            if type(wanted) is int and wanted > limit:  # a chat's logprobs is a bool
+                raise ClientError(
+                    f"{param} asks for {wanted} logprobs per token, more than this worker gives "
+                    f"({limit}, --max-logprobs): ask for at most {limit}",
+                    param=param,
+                )
+
     async def sampling_params(
         body: SamplingFields, logprobs: int | None, structured_output_after: int | None = None
     ) -> SamplingParams:
         """The request's engine settings, once for all its prompts; a structured output's
         grammar compiles off the event loop (a large one takes a while)."""
+        check_logprobs(body)
         defaults = client.sampling_defaults if settings.use_generation_config else {}
         try:
             if body.wants_structured_output():
@@ -690,6 +727,17 @@ class CompletionWriter(ResponseWriter):
             p if isinstance(p, str) else client.tokenizer.decode(p) if client.tokenizer else ""
             for p in prompts
         ]
+        # echo with max_tokens 0: the engine's one token stays out of the answer (as in vLLM)
+        self.prompt_only = body.scores_prompt_only()
+
+    def usage(self, choices: dict[int, Choice], cached: int) -> dict[str, Any]:
+        usage = super().usage(choices, cached)
+        if self.prompt_only:
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        return usage
+
+    def with_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        return super().with_token_ids(choice, [] if self.prompt_only else token_ids)
 
     def logprobs_object(
         self, logprobs: list, index: int, prompt_logprobs: list | None = None
@@ -698,7 +746,7 @@ class CompletionWriter(ResponseWriter):
         without a logprob, as nothing predicts it)."""
         if self.body.logprobs is None:
             return None
-        rows = [(item.token_id, item.logprob, item.top) for item in logprobs]
+        rows = [] if self.prompt_only else [(i.token_id, i.logprob, i.top) for i in logprobs]
         if self.body.echo and prompt_logprobs is not None:
             prompt_ids = self.prompt_ids[index // self.n]
             rows[:0] = [(prompt_ids[0], None, None)] + [
@@ -726,7 +774,7 @@ class CompletionWriter(ResponseWriter):
         return self.with_prompt_logprobs(
             {
                 "index": index,
-                "text": prefix + choice.text,
+                "text": prefix + ("" if self.prompt_only else choice.text),
                 "logprobs": self.logprobs_object(choice.logprobs, index, choice.prompt_logprobs),
                 "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason,
@@ -748,7 +796,7 @@ class CompletionWriter(ResponseWriter):
         return self.with_prompt_logprobs(
             {
                 "index": index,
-                "text": delta.text,
+                "text": "" if self.prompt_only else delta.text,
                 "logprobs": self.logprobs_object(
                     delta.logprobs or [], index, delta.prompt_logprobs
                 ),

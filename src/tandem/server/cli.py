@@ -1,10 +1,18 @@
 """`tandem worker`: one engine behind the OpenAI-compatible HTTP server, in role prefill, decode
-or both; or, in role pd, a prefill engine and a decode engine behind one server."""
+or both; or, in role pd, a prefill engine and a decode engine behind one server.
+
+Flags are vLLM's where vLLM has them (`tandem worker MODEL` as `vllm serve MODEL`,
+`--kv-transfer-config` included). `tandem.server.worker_flags` declares the ones every worker of
+a cluster takes alike, which `tandem serve` passes on; the ones here place this one process (its
+model, device, ports, role, KV endpoint, HTTP server, cluster).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 
+from tandem import DEFAULT_MODEL
 from tandem.access import (
     ALLOWED_ORIGINS_HELP,
     API_KEY_HELP,
@@ -12,15 +20,23 @@ from tandem.access import (
     api_key_from_env,
     cluster_token_from_env,
 )
-from tandem.engine.cli import add_engine_arguments, engine_config_from_args
-from tandem.limits import add_body_limit_arguments, add_field_limit_arguments
-from tandem.server.reasoning import REASONING_PARSERS
-from tandem.server.tool_calls import TOOL_CALL_PARSERS
+from tandem.engine.cli import (
+    add_device_argument,
+    add_model_arguments,
+    engine_config_from_args,
+    refuse_unknown_architecture,
+)
+from tandem.http_options import add_http_arguments, check_http_args
+from tandem.server import kv_transfer_config
+from tandem.server.worker_flags import KV_FLAG_DEFAULTS, add_worker_arguments
+
+logger = logging.getLogger("tandem.worker")
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("worker", help="serve one engine over the OpenAI API")
-    add_engine_arguments(parser)
+    add_model_arguments(parser, f"default: {DEFAULT_MODEL}")
+    add_device_argument(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument(
@@ -28,8 +44,8 @@ def add_parser(subparsers) -> None:
         nargs="+",
         default=None,
         metavar="NAME",
-        help="the model's name in the API (default: --model); with several, answers carry the "
-        "first and requests may use any",
+        help="the model's name in the API (default: the model); with several, answers carry "
+        "the first and requests may use any",
     )
     parser.add_argument("--api-key", default=api_key_from_env(), help=API_KEY_HELP)
     parser.add_argument(
@@ -37,7 +53,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--role",
-        default="both",
+        default=KV_FLAG_DEFAULTS["role"],
         choices=["prefill", "decode", "both", "pd"],
         help="pd: a prefill engine and a decode engine behind this one server, the KV handed "
         "over between them (cuda-ipc on GPUs, else tcp)",
@@ -48,59 +64,22 @@ def add_parser(subparsers) -> None:
         help="role pd: the decode engine's device (auto: the GPU after --device's when there "
         "is one, else the same device)",
     )
-    parser.add_argument(
-        "--generation-config",
-        default="auto",
-        choices=["auto", "none"],
-        help="auto: sampling fields a request leaves out take the values of the model's "
-        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), as "
-        "vLLM does; none: tandem's defaults",
-    )
-    chat = parser.add_argument_group("chat template")
-    chat.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="TEMPLATE",
-        help="a Jinja chat template, or the path of a file holding one, used instead of the "
-        "model's (for a model without one, or to change it)",
-    )
-    chat.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="take a request's own chat_template; without this, such a request is refused",
-    )
-    tools = parser.add_argument_group("tool calls")
-    tools.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='answer tool_choice "auto" (the default when a request has tools): the model '
-        "writes calls in its own format, found by --tool-call-parser",
-    )
-    tools.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=TOOL_CALL_PARSERS,
-        help="the model's tool call format: hermes (Qwen2.5, Qwen3, Hermes, SmolLM2), "
-        "llama3_json (Llama 3.1, 3.2), mistral (Mistral; keeps special tokens in the text), "
-        "pythonic (Llama 3.2 and 4 pythonic templates, ToolACE)",
-    )
-    parser.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=REASONING_PARSERS,
-        help="split chat answers' reasoning off their content (message and delta field "
-        "`reasoning`, and `reasoning_content`): deepseek_r1 (DeepSeek-R1, QwQ), qwen3",
-    )
-    limits = parser.add_argument_group("request limits (a request over one is a 400 or 413)")
-    add_body_limit_arguments(limits)
-    add_field_limit_arguments(limits)
+    add_http_arguments(parser.add_argument_group("HTTP server"))
+    add_worker_arguments(parser)
     kv = parser.add_argument_group("KV transfer (PD)")
     kv.add_argument("--kv-transport", default=None, choices=["tcp", "cuda-ipc"])
     kv.add_argument("--kv-host", default=None, help="address decode workers reach (default --host)")
     kv.add_argument("--kv-port", type=int, default=0, help="KV server port (0: any free port)")
-    kv.add_argument("--kv-lease-timeout", type=float, default=30.0, help="seconds")
-    kv.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
-    kv.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
+    kv.add_argument(
+        "--kv-transfer-config",
+        type=kv_transfer_config.parse_kv_transfer_config,
+        default=None,
+        metavar="JSON",
+        help="vLLM's, mapped onto the flags above: kv_role (kv_producer: --role prefill, "
+        "kv_consumer: decode, kv_both: both), kv_connector (NixlConnector, P2pNcclConnector, "
+        "MooncakeConnector, PyNcclConnector: --kv-transport tcp), kv_ip, kv_port, "
+        "kv_load_failure_policy; vLLM's tuning keys are ignored",
+    )
     kv.add_argument("--kv-fault", default=None, help=argparse.SUPPRESS)  # fault injection, tests
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--router", default=None, help="router URL to register with")
@@ -118,6 +97,12 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.server.main import serve
+    from tandem.server.main import configure_logging, serve
 
-    return serve(args, engine_config_from_args(args))
+    check_http_args(args, "worker")
+    configure_logging()
+    for note in kv_transfer_config.apply(args, KV_FLAG_DEFAULTS):
+        logger.info("%s", note)
+    config = engine_config_from_args(args, "worker")
+    refuse_unknown_architecture(config, "worker")
+    return serve(args, config)

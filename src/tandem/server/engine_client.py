@@ -184,8 +184,10 @@ class AsyncEngineClient:
         from tandem.models.loader import load_tokenizer, resolve_model, sampling_defaults
 
         try:
-            source = resolve_model(self.config.model)
-            return load_tokenizer(source), sampling_defaults(source)
+            config = self.config
+            source = resolve_model(config.model)
+            tokenizer = load_tokenizer(source, config.tokenizer, config.trust_remote_code)
+            return tokenizer, sampling_defaults(source)
         except Exception as exc:
             raise EngineStartError(
                 f"the tokenizer or the generation config could not load: {exc}"
@@ -269,6 +271,9 @@ class AsyncEngineClient:
         first_token_id = remote.get("first_token_id")
         # A handoff's first token comes from the engine once the prefill announced it.
         remote_prefill = bool(remote.get("do_remote_prefill")) and not is_pending_handoff(remote)
+        unused_lease = None
+        if remote_prefill and params.n > 1:  # n samples, n first tokens: all computed here
+            unused_lease, kv_transfer_params, remote_prefill = kv_transfer_params, None, False
         requests = self.inputs.make_requests(
             request_id, prompt_token_ids, params, kv_transfer_params
         )
@@ -290,7 +295,9 @@ class AsyncEngineClient:
         stream.unstarted.update(r.request_id for r in to_submit)
         try:
             if remote_prefill and not to_submit:
-                await self._send(("release_remote", kv_transfer_params))
+                unused_lease = kv_transfer_params
+            if unused_lease is not None:
+                await self._send(("release_remote", unused_lease))
             if to_submit:
                 await self._send(("add", to_submit))
         except BaseException:

@@ -5,6 +5,9 @@ SIGTERM or SIGINT stop accepting connections, let in-flight responses finish for
 period, abort what is left, stop the engine process and exit 0. An engine process that dies
 makes the worker unhealthy at once (503s, in-flight requests included), and the worker exits
 with ENGINE_DIED_EXIT_CODE a moment later, for its supervisor to restart it.
+
+The HTTP server takes vLLM's server flags (`tandem.http_options`): a root path, TLS, one access
+line per request unless disabled, and uvicorn's log level.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import uvicorn
 
 from tandem.engine.config import EngineConfig
+from tandem.http_options import quiet_probes, under_root_path, url_scheme, uvicorn_options
 from tandem.keep_awake import KeepAwake
 from tandem.kv.config import KVTransferConfig
 from tandem.limits import body_limits_from_args, field_limits_from_args
@@ -85,11 +89,16 @@ def read_chat_template(value: str) -> str:
         ) from None
 
 
-def serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    serve_started = time.monotonic()
+def configure_logging() -> None:
+    """The worker's log: INFO and up, timed, to stderr (once; later calls change nothing)."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    serve_started = time.monotonic()
+    configure_logging()
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("tandem worker: --enable-auto-tool-choice needs --tool-call-parser")
     if args.role == "pd":
@@ -116,6 +125,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         body_limits=body_limits_from_args(args),
         field_limits=field_limits_from_args(args),
         max_waiting=config.max_waiting,
+        max_logprobs=args.max_logprobs,
     )
     if kv_config is not None and not args.cluster_token:
         logger.warning(
@@ -123,6 +133,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             "(kv_transfer_params, /v1/kv/release) and use its KV port; pass --cluster-token "
             "(or set TANDEM_CLUSTER_TOKEN) on every worker and the router"
         )
+    url = f"{url_scheme(args)}://{args.host}:{args.port}"
     started = {"ok": False}
     engine_death: dict[str, str] = {}
 
@@ -161,16 +172,16 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
             heartbeat = HeartbeatSender(
                 router_url=args.router,
-                worker_url=args.advertise_url or f"http://{args.host}:{args.port}",
+                worker_url=args.advertise_url or url,
                 role="both" if args.role == "pd" else args.role,  # to a router: whole requests
                 model=settings.served_model_name,
                 token=args.cluster_token,
             )
             heartbeat.start()
         logger.info(
-            "worker ready on http://%s:%d (role %s) in %.1f s",
-            args.host,
-            args.port,
+            "worker ready on %s%s (role %s) in %.1f s",
+            url,
+            args.root_path,
             args.role,
             time.monotonic() - serve_started,
         )
@@ -183,13 +194,15 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     app = build_app(client, settings)
     app.router.lifespan_context = lifespan
+    quiet_probes()
     server = uvicorn.Server(
         uvicorn.Config(
-            KeepAwake(app, config.busy_poll_seconds()),
+            under_root_path(KeepAwake(app, config.busy_poll_seconds()), args.root_path),
             host=args.host,
             port=args.port,
-            log_level="warning",
+            log_level=args.uvicorn_log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            **uvicorn_options(args),
         )
     )
     # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, which would end the

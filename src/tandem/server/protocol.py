@@ -94,7 +94,7 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False  # choices (and stream chunks) carry their token ids
     cache_salt: str | None = None  # vLLM's: the prefix cache's namespace for this request
     priority: int = 0  # vLLM's: lower is scheduled first (a worker with the priority policy)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's; at most --max-logprobs
     # Structured outputs, asked for in one of three ways: OpenAI's response_format, vLLM's
     # structured_outputs, or vLLM's older guided_* fields.
     response_format: ResponseFormat | None = None
@@ -107,6 +107,12 @@ class SamplingFields(BaseModel):
     def wanted_prompt_logprobs(self) -> int | None:
         """How many top logprobs each prompt token needs (None: no prompt logprobs)."""
         return self.prompt_logprobs
+
+    def engine_max_tokens(self) -> int | None:
+        """The most tokens the engine generates (None: up to the context length)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def check_limits(self, limits: FieldLimits) -> None:
         """FieldError saying what to change when a field is over the worker's limits; cheap,
@@ -182,9 +188,7 @@ class SamplingFields(BaseModel):
             value = getattr(self, name)
             return defaults.get(name, fallback) if value is None else value
 
-        max_tokens = self.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = self.max_tokens
+        max_tokens = self.engine_max_tokens()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -233,7 +237,7 @@ class CompletionRequest(SamplingFields):
     prompt: Prompt
     max_tokens: int | None = 16  # OpenAI's and vLLM's default here (chat: up to the context)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs
     add_special_tokens: bool = True  # the tokenizer's BOS and the like before a text prompt
     suffix: str | None = None
     best_of: int | None = None
@@ -243,6 +247,15 @@ class CompletionRequest(SamplingFields):
         counts = [self.prompt_logprobs, self.logprobs if self.echo else None]
         counts = [count for count in counts if count is not None]
         return max(counts) if counts else None
+
+    def scores_prompt_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt (with its logprobs), no token
+        generated (OpenAI's legacy completions; lm-evaluation-harness's loglikelihood)."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_max_tokens(self) -> int | None:
+        """As vLLM, a prompt scored only runs for one token, which the answer leaves out."""
+        return 1 if self.scores_prompt_only() else super().engine_max_tokens()
 
     @field_validator("suffix")
     @classmethod
@@ -372,7 +385,7 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[dict[str, Any]] | None = None
@@ -497,6 +510,7 @@ def error_body(
         401: "authentication_error",
         403: "permission_error",
         404: "not_found_error",
+        405: "invalid_request_error",
         503: "service_unavailable",
     }.get(status, "server_error")
     error = {"message": message, "type": kind, "param": param, "code": code or status}
