@@ -122,3 +122,17 @@ class RootPath:
 
 def under_root_path(app: ASGIApp, root_path: str) -> ASGIApp:
     return RootPath(app, root_path) if root_path.rstrip("/") else app
+
+
+def route_error_message(
+    method: str, path: str, status: int, headers: dict[str, str] | None, detail: object
+) -> tuple[str, str | None]:
+    """The message and code of an OpenAI error object for Starlette's answer to a path it does
+    not know (404) or a method the path does not take (405)."""
+    where = f"{method} {path}"
+    if status == 404:
+        return f"{where}: no such endpoint; the OpenAI API is under /v1", "not_found"
+    if status == 405:
+        allowed = (headers or {}).get("Allow", "another method")
+        return f"{where}: this endpoint takes {allowed}", "method_not_allowed"
+    return f"{where}: {detail}", None

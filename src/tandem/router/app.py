@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tandem
 from tandem.access import OPEN_PATHS, bearer_matches, guard
+from tandem.http_options import route_error_message
 from tandem.limits import BodyLimit, BodyLimits, RequestRefused, decode_json
 from tandem.router.config import Role, RouterConfig
 from tandem.router.metrics import RouterMetrics
@@ -64,14 +65,10 @@ def error_response(status: int, message: str, code: str, error_type: str) -> Res
 def route_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's answer for a path it does not know (404) or a method the path does not take
     (405), as an OpenAI error object."""
-    where = f"{request.method} {request.url.path}"
-    if exc.status_code == 404:
-        message, code = f"{where}: no such endpoint; the OpenAI API is under /v1", "not_found"
-    elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "another method")
-        message, code = f"{where}: this endpoint takes {allowed}", "method_not_allowed"
-    else:
-        message, code = f"{where}: {exc.detail}", str(exc.status_code)
+    message, code = route_error_message(
+        request.method, request.url.path, exc.status_code, exc.headers, exc.detail
+    )
+    code = code or str(exc.status_code)
     error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     response = error_response(exc.status_code, message, code, error_type)
     response.headers.update(exc.headers or {})

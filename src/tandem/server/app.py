@@ -31,6 +31,7 @@ import tandem
 from tandem.access import from_cluster, guard
 from tandem.engine.processor import SequenceDelta
 from tandem.engine.sampling_params import SamplingParams
+from tandem.http_options import route_error_message
 from tandem.limits import BodyLimits, FieldLimits, limit_fastapi_bodies
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, QueueFullError
 from tandem.server.metrics import WorkerMetrics
@@ -141,14 +142,9 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _route_error(request: Request, exc: HTTPException) -> JSONResponse:
         """An unknown path (404) or a method its path does not take (405)."""
-        where = f"{request.method} {request.url.path}"
-        if exc.status_code == 404:
-            message, code = f"{where}: no such endpoint; the OpenAI API is under /v1", "not_found"
-        elif exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow", "another method")
-            message, code = f"{where}: this endpoint takes {allowed}", "method_not_allowed"
-        else:
-            message, code = f"{where}: {exc.detail}", None
+        message, code = route_error_message(
+            request.method, request.url.path, exc.status_code, exc.headers, exc.detail
+        )
         response = _error(message, exc.status_code, code=code)
         response.headers.update(exc.headers or {})
         return response
