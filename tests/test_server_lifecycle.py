@@ -48,7 +48,8 @@ async def test_a_full_waiting_queue_answers_503_and_recovers(worker):
         # Samples wait one by one: n over the queue's size can never be admitted.
         too_many = await http.post(f"{url}/v1/completions", json=dict(completion(2), n=2))
         assert too_many.status_code == 400
-        assert "n must be at most 1" in too_many.json()["error"]["message"]
+        message = too_many.json()["error"]["message"]
+        assert "more than this worker's queue holds (1, --max-waiting)" in message
         async with http.stream("POST", f"{url}/v1/completions", json=completion(4000, True)) as run:
             assert run.status_code == 200
             lines = run.aiter_lines()
