@@ -34,7 +34,6 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from pd_fixtures import (
@@ -56,6 +55,7 @@ from tandem.cli import build_parser
 from tandem.kv.params import HandedOutLeases, KVParamsError, WorkerKV, parse_kv_transfer_params
 from tandem.router.app import parse_request_body
 from tandem.router.config import RouterConfig
+from tiny_models import byte_level_bpe
 from worker_fixtures import free_port
 
 KEY = "key-of-the-clients"
@@ -76,16 +76,7 @@ TOOL_CALL = {"messages": MESSAGES, "max_tokens": 12, "tools": TOOLS, "tool_choic
 def checkpoint_with_tokenizer(source: Path, directory: Path) -> Path:
     """`source` with a small byte-level BPE tokenizer beside it."""
     shutil.copytree(source, directory)
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator([MESSAGES[0]["content"]] * 10, trainer)
+    core = byte_level_bpe([MESSAGES[0]["content"]] * 10, 300)
     PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>").save_pretrained(directory)
     return directory
 

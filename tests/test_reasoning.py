@@ -11,12 +11,13 @@ import shutil
 
 import httpx
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from tandem import LLM, SamplingParams
 from tandem.engine.structured_output import StructuredOutput
 from tandem.server.reasoning import split_reasoning, structured_output_start
+from tiny_models import byte_level_bpe
 from worker_fixtures import running_worker
 
 
@@ -84,16 +85,7 @@ TEMPLATE = (
 def thinking_tokenizer() -> PreTrainedTokenizerFast:
     """A small byte-level BPE tokenizer with `<think>` and `</think>` as tokens of their own
     (added, not special: they stay in the text, as in Qwen3's and DeepSeek-R1's)."""
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator([" ".join(CITIES) + " pick a city for me"] * 10, trainer)
+    core = byte_level_bpe([" ".join(CITIES) + " pick a city for me"] * 10, 300)
     core.add_tokens(["<think>", "</think>"])
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>")
 

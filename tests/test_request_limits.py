@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import shutil
@@ -29,15 +30,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from pd_fixtures import running_processes
 from tandem.engine.processor import longest_token_bytes, shrink_factor
 from tandem.engine.structured_output import largest_repetition
 from tandem.limits import BodyLimit, RequestRefused, decode_json, nests_deeper
 from tandem.router.cli import add_parser as add_router_parser
 from tandem.server.cli import add_parser as add_worker_parser
-from worker_fixtures import WorkerProcess, start_tandem, start_worker
+from tiny_models import byte_level_bpe
+from worker_fixtures import WorkerProcess, free_port, start_tandem, start_worker
 
 MIB = 1024 * 1024
 WORKER_BODY_LIMIT = 64 * MIB  # over the default, so that a 50 MB prompt reaches the tokenizer
@@ -57,17 +60,8 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     corpus = ["the quick brown fox jumps over the lazy dog " * 4, " " * 64, "#" * 48] * 20
-    core.train_from_iterator(corpus, trainer)
+    core = byte_level_bpe(corpus, 400)
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>")
 
 
@@ -78,26 +72,24 @@ def servers(tiny_checkpoints, tokenizer, tmp_path_factory) -> Iterator[dict[str,
     checkpoint = root / "checkpoint"
     shutil.copytree(tiny_checkpoints["llama-gqa"], checkpoint)
     tokenizer.save_pretrained(checkpoint)
-    started: dict[str, WorkerProcess] = {}
-    try:
-        started["worker"] = start_worker(
-            root,
-            *("--max-request-body-bytes", str(WORKER_BODY_LIMIT), "--max-waiting", "64"),
-            *("--max-stop-strings", str(MAX_STOP_STRINGS), "--num-kv-blocks", "256"),
-            *("--chat-template", TEMPLATE, "--trust-request-chat-template"),
-            model=str(checkpoint),
-        )
-        started["router"] = start_tandem(
-            root,
-            "router",
-            *("--worker", started["worker"].url, "--max-request-json-depth", str(ROUTER_DEPTH)),
-        )
-        for process in started.values():
-            process.wait_healthy()
+    worker = functools.partial(
+        start_worker,
+        root,
+        *("--max-request-body-bytes", str(WORKER_BODY_LIMIT), "--max-waiting", "64"),
+        *("--max-stop-strings", str(MAX_STOP_STRINGS), "--num-kv-blocks", "256"),
+        *("--chat-template", TEMPLATE, "--trust-request-chat-template"),
+        model=str(checkpoint),
+        port=free_port(),
+    )
+    worker_url = f"http://127.0.0.1:{worker.keywords['port']}"
+    router = functools.partial(
+        start_tandem,
+        root,
+        "router",
+        *("--worker", worker_url, "--max-request-json-depth", str(ROUTER_DEPTH)),
+    )
+    with running_processes({"worker": worker, "router": router}) as started:
         yield started
-    finally:
-        for process in started.values():
-            process.stop()
 
 
 def post(url: str, path: str, body, timeout: float = 120) -> httpx.Response:

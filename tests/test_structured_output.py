@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tandem import LLM, SamplingParams
@@ -21,6 +20,7 @@ from tandem.engine.structured_output import (
     apply_grammar_masks,
     tokenizer_json,
 )
+from tiny_models import byte_level_bpe
 
 SHAPE = "llama-gqa"
 VOCAB = 512
@@ -37,16 +37,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<|end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(CORPUS, trainer)
+    core = byte_level_bpe(CORPUS, VOCAB)
     assert core.get_vocab_size() == VOCAB
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>")
 

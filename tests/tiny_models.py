@@ -65,3 +65,21 @@ def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def byte_level_bpe(corpus: list[str], vocab_size: int):
+    """A small byte-level BPE tokenizer (`tokenizers.Tokenizer`) trained on `corpus`, with
+    `<|end|>` as its one special token; wrap it in transformers' PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(corpus, trainer)
+    return core
