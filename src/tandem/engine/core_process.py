@@ -26,8 +26,6 @@ answers what is left with 503s and exits, for its supervisor to restart it.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -41,6 +39,7 @@ from typing import Any
 import zmq
 
 from tandem.engine.config import EngineConfig
+from tandem.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,6 @@ STATS_INTERVAL_S = 0.5
 # While the loop spins it holds the GIL most of the time: the KV transport's threads get it
 # within this (Python's default is 5 ms).
 BUSY_POLL_SWITCH_INTERVAL_S = 0.0005
-PR_SET_PDEATHSIG = 1
 ENGINE_FAILED_EXIT_CODE = 70  # EX_SOFTWARE
 
 
@@ -80,17 +78,6 @@ def collect_stats(core) -> dict[str, Any]:
     }
     stats.update(core.connector.stats())
     return stats
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this process when its parent dies (Linux; strictly, when the thread
-    that started it ends: the API process's event loop thread, which lives as long as it does);
-    exit now if the parent died already."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def run_engine_core(

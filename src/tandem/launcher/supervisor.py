@@ -25,8 +25,7 @@ same router add to the pool without delaying readiness).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import functools
 import os
 import signal
 import subprocess
@@ -40,8 +39,8 @@ from typing import TextIO
 import httpx
 
 from tandem.launcher.plan import ProcessPlan, expected_router_counts
+from tandem.lifetime import die_with_parent
 
-PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 0.2
 
 
@@ -49,16 +48,7 @@ def _die_with_parent_hook() -> Callable[[], None] | None:
     """A preexec_fn that makes the child die when the launcher dies (Linux only)."""
     if not sys.platform.startswith("linux"):
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    prctl = libc.prctl
-    parent_pid = os.getpid()
-
-    def hook() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return hook
+    return functools.partial(die_with_parent, os.getpid())
 
 
 def _kill_group(process: subprocess.Popen[bytes], signum: int) -> None:
