@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.kv.cuda_ipc import BlockCopier, copy_blocks_kernel
+from tandem.kv.data.cuda_ipc import BlockCopier, copy_blocks_kernel
 
 CACHE_SHAPE = (28, 2, 4096, 16, 8, 128)  # Qwen3-0.6B's layers, KV heads and head size
 CALLS = 200

@@ -1,4 +1,4 @@
-"""KV transfer over TCP: TcpKVServer/TcpKVClient throughput against one raw TCP stream.
+"""KV transfer over TCP: KVServer/KVClient throughput against one raw TCP stream.
 
 Moves a whole prompt's KV (default: 10k tokens of the SmolLM2-135M shape, 30 layers x 3 KV heads x
 head_dim 64, in 16-token blocks) as per-layer staging tensors [2, blocks, 16, kv_heads, head_dim]
@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tandem.kv.tcp_transport import SOCKET_BUFFER_BYTES, TcpKVClient, TcpKVServer
+from tandem.kv.control.client import KVClient
+from tandem.kv.control.server import KVServer
+from tandem.kv.control.wire import SOCKET_BUFFER_BYTES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -106,8 +108,8 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str) -> Result:
     raw_source = torch.ones(num_bytes, dtype=torch.uint8)
     raw_dest = torch.zeros(num_bytes, dtype=torch.uint8)
 
-    server = TcpKVServer("127.0.0.1", 0)
-    client = TcpKVClient()
+    server = KVServer("127.0.0.1", 0)
+    client = KVClient()
     raw = RawStream(byte_view(raw_source))
     transport_gbps: list[float] = []
     raw_gbps: list[float] = []
@@ -169,7 +171,7 @@ def main() -> None:
 
     print(f"KV transfer over TCP, loopback, {args.tokens} tokens, median of {args.repeats}")
     print(
-        "| dtype | bytes/token | MB moved | TcpKVServer/Client GB/s | raw TCP stream GB/s "
+        "| dtype | bytes/token | MB moved | KVServer/Client GB/s | raw TCP stream GB/s "
         "| ratio of medians |"
     )
     print("|---|---|---|---|---|---|")

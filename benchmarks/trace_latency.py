@@ -100,9 +100,9 @@ def process_names(records: list[dict]) -> dict[int, str]:
             continue
         labels = {event[2] for event in record["events"]}
         role = "engine"
-        if "PDConnector._await_handoff" in labels:
+        if "PDConnectorWorker._await_handoff" in labels:
             role = "decode"
-        elif "PDConnector._publish" in labels:
+        elif "ControlPlane.publish" in labels:
             role = "prefill"
         names[record["pid"]] = f"{server}-{role}"
     return names

@@ -19,7 +19,7 @@ SLEEP_CYCLES = 1_000_000_000  # half a second or more on the GPU: the copy must 
 
 PRODUCER = f"""
 import sys, torch
-from tandem.kv.cuda_ipc import export_handle
+from tandem.kv.data.cuda_ipc import export_handle
 cache = torch.randn({SHAPE}, dtype=torch.bfloat16, device="cuda:0")
 event = torch.cuda.Event(interprocess=True)
 cache.add_(0)  # loads the kernel now: loading it later would wait for the sleep
@@ -52,7 +52,7 @@ def producer():
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "fallback"])
 @pytest.mark.parametrize("local_device", devices())
 def test_copies_blocks_behind_the_writers_event(producer, local_device, use_kernel):
-    from tandem.kv.cuda_ipc import BlockCopier, open_handle
+    from tandem.kv.data.cuda_ipc import BlockCopier, open_handle
 
     handle, event_handle = producer.stdout.readline().split()
     remote = open_handle(handle, torch.device(local_device))

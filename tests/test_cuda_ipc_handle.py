@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import torch
 
-from tandem.kv import cuda_ipc
-from tandem.kv.cuda_ipc import InvalidHandle, decode_handle
+from tandem.kv.data import cuda_ipc
+from tandem.kv.data.cuda_ipc import InvalidHandle, decode_handle
 
 # rebuild_cuda_tensor's arguments as reduce_tensor returns them for a CUDA tensor
 ARGS = (

@@ -1,5 +1,5 @@
-"""The KV port's handshake (`tandem.kv.auth`), with real sockets: a client without the cluster
-token gets nothing done (no fetch, no release, no announcement taken), a mismatch of tokens
+"""The KV port's handshake (`tandem.kv.control.auth`), with real sockets: a client without the
+cluster token gets nothing done (no fetch, no release, no announcement taken), a mismatch of tokens
 fails clearly on both sides, a decode worker refuses a server that cannot prove the token
 before any KV byte lands, a peer that is not a KV server fails within the handshake timeout,
 and the connector passes its token to both ends and counts its retries."""
@@ -12,12 +12,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 
 import msgspec
 import pytest
 import torch
 
+from kv_faults.transport_faults import TransportFault, faulty
 from kv_wire import (
     AWAIT,
     FETCH,
@@ -34,26 +34,26 @@ from kv_wire import (
     recv_exact,
     zeros_like_all,
 )
-from tandem.kv.auth import HANDSHAKE_TIMEOUT_S, derive_kv_key, proof, proves
 from tandem.kv.config import KVTransferConfig
-from tandem.kv.connector import PDConnector
-from tandem.kv.tcp_transport import TcpKVClient, TcpKVServer
-from tandem.kv.transport import KVTransferError
+from tandem.kv.control import server as kv_server
+from tandem.kv.control.auth import HANDSHAKE_TIMEOUT_S, derive_kv_key, proof, proves
+from tandem.kv.control.client import KVClient
+from tandem.kv.control.plane import ControlPlane
+from tandem.kv.control.server import KVServer
+from tandem.kv.errors import KVTransferError
 
 TOKEN = "the-cluster-token"
 FIX = "give both workers the same --cluster-token"
-LOGGER = "tandem.kv.tcp_transport"
+LOGGER = "tandem.kv.control.server"
 
 
 @pytest.fixture
-def make_server() -> Iterator[Callable[..., tuple[TcpKVServer, DoneRecorder]]]:
-    servers: list[TcpKVServer] = []
+def make_server() -> Iterator[Callable[..., tuple[KVServer, DoneRecorder]]]:
+    servers: list[KVServer] = []
 
-    def make(token: str | None = TOKEN, **kwargs: object) -> tuple[TcpKVServer, DoneRecorder]:
+    def make(token: str | None = TOKEN, **kwargs: object) -> tuple[KVServer, DoneRecorder]:
         recorder = DoneRecorder()
-        server = TcpKVServer(
-            "127.0.0.1", 0, on_transfer_done=recorder, cluster_token=token, **kwargs
-        )
+        server = KVServer("127.0.0.1", 0, on_transfer_done=recorder, cluster_token=token, **kwargs)
         servers.append(server)
         return server, recorder
 
@@ -63,11 +63,11 @@ def make_server() -> Iterator[Callable[..., tuple[TcpKVServer, DoneRecorder]]]:
 
 
 @pytest.fixture
-def make_client() -> Iterator[Callable[..., TcpKVClient]]:
-    clients: list[TcpKVClient] = []
+def make_client() -> Iterator[Callable[..., KVClient]]:
+    clients: list[KVClient] = []
 
-    def make(token: str | None = TOKEN, **kwargs: object) -> TcpKVClient:
-        client = TcpKVClient(cluster_token=token, **kwargs)
+    def make(token: str | None = TOKEN, **kwargs: object) -> KVClient:
+        client = KVClient(cluster_token=token, **kwargs)
         clients.append(client)
         return client
 
@@ -349,16 +349,14 @@ def test_the_server_drops_a_client_silent_in_the_handshake(make_server):
 
 
 def test_a_pooled_connection_is_authenticated_once(make_server, make_client, monkeypatch):
-    from tandem.kv import tcp_transport
-
     handshakes: list[None] = []
-    serve_handshake = tcp_transport.serve_handshake
+    serve_handshake = kv_server.serve_handshake
 
     def counting(*args, **kwargs):
         handshakes.append(None)
         return serve_handshake(*args, **kwargs)
 
-    monkeypatch.setattr(tcp_transport, "serve_handshake", counting)
+    monkeypatch.setattr(kv_server, "serve_handshake", counting)
     server, done = make_server()
     client = make_client()
     for index in range(3):
@@ -370,16 +368,14 @@ def test_a_pooled_connection_is_authenticated_once(make_server, make_client, mon
     assert len(handshakes) == 1 and server.connections_accepted == 1
 
 
-def test_the_connector_gives_both_ends_its_token_and_counts_retries():
-    """A prefill connector's KV server wants its token; a decode connector's client proves its
-    own and counts the tries after a broken connection in kv_transfer_failures ("retried")."""
-    spec = SimpleNamespace(block_size=16)
-    cpu = torch.device("cpu")
-    prefill = PDConnector(
-        KVTransferConfig(role="prefill", fault="drop:1,times:1", cluster_token=TOKEN), spec, cpu
-    )
-    decode = PDConnector(KVTransferConfig(role="decode", cluster_token=TOKEN), spec, cpu)
-    stranger = TcpKVClient()
+def test_the_control_plane_gives_both_ends_its_token_and_counts_retries(monkeypatch):
+    """A prefill engine's KV server wants its token; a decode engine's client proves its own
+    and counts the tries after a broken connection in kv_transfer_failures ("retried")."""
+    fault = TransportFault(drop_after_layers=1, times=1)
+    monkeypatch.setattr(kv_server, "KVServer", faulty(kv_server.KVServer, fault))
+    prefill = ControlPlane(KVTransferConfig(role="prefill", cluster_token=TOKEN))
+    decode = ControlPlane(KVTransferConfig(role="decode", cluster_token=TOKEN))
+    stranger = KVClient()
     try:
         layers = make_layers(seed=40, num_layers=3)
         prefill.server.publish("t", layers)
@@ -393,5 +389,5 @@ def test_the_connector_gives_both_ends_its_token_and_counts_retries():
         assert prefill.stats()["kv_transfer_failures"] == {"send": 1}
     finally:
         stranger.close()
-        decode.shutdown()
-        prefill.shutdown()
+        decode.close()
+        prefill.close()

@@ -1,9 +1,10 @@
 """PD failure semantics with real workers on a tiny random checkpoint, each failure injected.
 
-Workers (one set for the module):
+Workers (one set for the module); the prefill workers' faults come from the test-only plug-in
+tests/kv_faults (on their PYTHONPATH, with TANDEM_TEST_KV_FAULT set):
 
-    prefill-delay  --kv-fault delay:DELAY_S   its KV server waits DELAY_S before sending
-    prefill-drop   --kv-fault drop:1          its KV server closes after the first layer;
+    prefill-delay  fault delay:DELAY_S        its KV server waits DELAY_S before sending
+    prefill-drop   fault drop:1               its KV server closes after the first layer;
                    --num-kv-blocks 40         one long leased prompt makes the next one queue
     decode-recompute / decode-fail            --kv-transfer-timeout TRANSFER_TIMEOUT_S, one per
                                               --kv-load-failure-policy
@@ -17,12 +18,14 @@ checked against the same request served whole (no PD) by a prefill worker.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -38,12 +41,13 @@ from pd_fixtures import (
     read_stream,
     run_direct,
     run_pd,
-    running_workers,
+    running_processes,
     token_prompt,
     wait_for_value,
     wait_until,
     with_defaults,
 )
+from worker_fixtures import WorkerProcess, start_worker
 
 CHECKPOINT = "llama-gqa"
 DELAY_S = 1.5
@@ -52,6 +56,18 @@ TRANSFER_TIMEOUT_S = 0.5
 COMPLETIONS = "/v1/completions"
 PREFILL_DROP_BLOCKS = 40
 HOLD_TIMEOUT_S = LEASE_S + 5  # a lease must be gone by then, even on a loaded machine
+FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "kv_faults"
+
+
+def start_faulty_worker(fault: str | None, *flags: str, **kwargs) -> WorkerProcess:
+    """start_worker, with the KV fault plug-in injecting `fault` (None: no fault)."""
+    if fault is None:
+        return start_worker(*flags, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_TEST_KV_FAULT", fault)
+        paths = [str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")]
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+        return start_worker(*flags, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +75,26 @@ def workers(tiny_checkpoints, tmp_path_factory) -> Iterator[dict]:
     common = ("--num-kv-blocks", "512")
     lease = ("--kv-lease-timeout", str(LEASE_S))
     timeout = ("--kv-transfer-timeout", str(TRANSFER_TIMEOUT_S))
-    specs = {
-        "prefill-delay": ("--role", "prefill", "--kv-fault", f"delay:{DELAY_S}", *lease, *common),
+    specs = {  # name -> (fault, flags)
+        "prefill-delay": (f"delay:{DELAY_S}", ("--role", "prefill", *lease, *common)),
         "prefill-drop": (
-            *("--role", "prefill", "--kv-fault", "drop:1", *lease),
-            *("--num-kv-blocks", str(PREFILL_DROP_BLOCKS)),
+            "drop:1",
+            ("--role", "prefill", *lease, "--num-kv-blocks", str(PREFILL_DROP_BLOCKS)),
         ),
-        "decode-recompute": ("--role", "decode", *timeout, *common),
-        "decode-fail": ("--role", "decode", "--kv-load-failure-policy", "fail", *timeout, *common),
-        "decode": ("--role", "decode", *common),
+        "decode-recompute": (None, ("--role", "decode", *timeout, *common)),
+        "decode-fail": (
+            None,
+            ("--role", "decode", "--kv-load-failure-policy", "fail", *timeout, *common),
+        ),
+        "decode": (None, ("--role", "decode", *common)),
     }
     model = str(tiny_checkpoints[CHECKPOINT])
-    with running_workers(tmp_path_factory.mktemp("pd-failures"), specs, model) as started:
+    log_dir = tmp_path_factory.mktemp("pd-failures")
+    starts = {
+        name: functools.partial(start_faulty_worker, fault, log_dir, *flags, model=model)
+        for name, (fault, flags) in specs.items()
+    }
+    with running_processes(starts) as started:
         yield started
 
 

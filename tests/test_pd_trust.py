@@ -52,7 +52,13 @@ from pd_fixtures import (
 )
 from tandem.access import guard
 from tandem.cli import build_parser
-from tandem.kv.params import HandedOutLeases, KVParamsError, WorkerKV, parse_kv_transfer_params
+from tandem.kv.params import (
+    HandedOutLeases,
+    KVParamsError,
+    WorkerKV,
+    parse_kv_transfer_params,
+    to_wire,
+)
 from tandem.router.app import parse_request_body
 from tandem.router.config import RouterConfig
 from tiny_models import byte_level_bpe
@@ -336,7 +342,8 @@ HANDOFF_LEG = {
 )
 def test_params_a_worker_takes(worker, raw, expected):
     """Known fields pass on as given (nulls and unknown keys left out)."""
-    assert parse_kv_transfer_params(raw, worker, 40) == expected
+    params = parse_kv_transfer_params(raw, worker, 40)
+    assert (None if params is None else to_wire(params)) == expected
 
 
 @pytest.mark.parametrize(

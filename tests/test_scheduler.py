@@ -24,8 +24,8 @@ from tandem.engine.outputs import (
 )
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import FIRST_TOKEN_STAND_IN, Scheduler, SchedulerConfig
-from tandem.kv.base import KVConnector
+from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.kv.connector.base import KVConnectorScheduler, KVTransferParams, RequestView
 
 EOS = 0
 VOCAB = 40
@@ -54,19 +54,13 @@ class FakeModel:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
-        # A run-ahead handoff's first token, "on the device": it replaces the stand-in.
-        self.device_tokens: dict[str, int] = {}
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         size = self.block_size
         for item in scheduler_output.requests:  # write every request's new KV first ...
             assert len(item.block_ids) == cdiv(item.start_position + len(item.token_ids), size)
             assert len(set(item.block_ids)) == len(item.block_ids)
-            token_ids = item.token_ids
-            if item.first_token_on_device:
-                assert token_ids == [FIRST_TOKEN_STAND_IN]
-                token_ids = [self.device_tokens.pop(item.request_id)]
-            for offset, token in enumerate(token_ids):
+            for offset, token in enumerate(item.token_ids):
                 position = item.start_position + offset
                 self.slots[item.block_ids[position // size] * size + position % size] = token
         sampled = {}
@@ -89,7 +83,7 @@ class Harness:
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        connector: KVConnector | None = None,
+        connector: KVConnectorScheduler | None = None,
         policy: str = "fcfs",
     ) -> None:
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy=policy)
@@ -488,30 +482,30 @@ def test_random_mix_finishes_right_and_frees_every_block(seed):
     assert len(aborted) > 0 and len(aborted) < num_added
 
 
-class RemotePrefillConnector(KVConnector):
-    """A decode worker's connector, reduced to its bookkeeping: the KV of all but the last token
-    of the `remote_ids` requests is elsewhere and is loaded once, asynchronously. The test plays
-    the transfer: `deliver` writes the right tokens into the fake cache."""
+class RemotePrefillConnector(KVConnectorScheduler):
+    """A decode worker's connector (scheduler side), reduced to its bookkeeping: the KV of all
+    but the last token of the `remote_ids` requests is elsewhere and is loaded once,
+    asynchronously. The test plays the transfer: `deliver` writes the right tokens into the fake
+    cache."""
+
+    remote_tokens_cut = 1  # the prompt's last tokens not loaded
 
     def __init__(self, remote_ids: set[str]) -> None:
         self.remote_ids = remote_ids
         self.attempted: set[str] = set()
         self.loads: dict[str, tuple[list[int], int, int]] = {}  # block ids, first position, count
 
-    def get_num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_local: int) -> tuple[int, bool]:
         if request.request_id in self.remote_ids and request.request_id not in self.attempted:
             self.attempted.add(request.request_id)
-            return request.num_tokens - 1 - num_local, True
+            return request.num_prompt_tokens - self.remote_tokens_cut - num_local, True
         return 0, False
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external: int
+        self, request: RequestView, block_ids: list[int], num_external: int
     ) -> None:
-        self.loads[request.request_id] = (
-            list(block_ids),
-            request.num_computed_tokens,
-            num_external,
-        )
+        first = request.num_prompt_tokens - self.remote_tokens_cut - num_external
+        self.loads[request.request_id] = (list(block_ids), first, num_external)
 
     def deliver(self, harness: Harness, request_id: str) -> KVConnectorOutput:
         block_ids, first, count = self.loads.pop(request_id)
@@ -588,16 +582,14 @@ class HandoffConnector(RemotePrefillConnector):
     """A handoff's decode side: the whole prompt's KV comes remotely, and the first token with
     it (the test hands it over in KVConnectorOutput.first_tokens)."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
-        if request.request_id in self.remote_ids and request.request_id not in self.attempted:
-            self.attempted.add(request.request_id)
-            return request.num_tokens - num_local, True
-        return 0, False
+    remote_tokens_cut = 0
 
 
 def add_handoff(harness: Harness, request_id: str, prompt: list[int], **params) -> Request:
     request = harness.add(request_id, prompt, **params)
-    request.kv_transfer_params = {"do_remote_prefill": True, "handoff_id": f"h-{request_id}"}
+    request.kv_transfer_params = KVTransferParams(
+        do_remote_prefill=True, handoff_id=f"h-{request_id}"
+    )
     return request
 
 
@@ -654,124 +646,4 @@ def test_a_failed_handoff_is_recomputed_only_with_its_first_token():
     harness.run_until_idle()
     expected = reference_generation(prompt[::-1], announced.sampling_params)
     assert (harness.tokens["announced"], harness.finish_reasons["announced"]) == expected
-    assert harness.kv.num_used_blocks == 0
-
-
-def deliver_ahead(
-    connector: HandoffConnector, harness: Harness, request_id: str, first_token: int
-) -> KVConnectorOutput:
-    """The report of a handoff whose KV copy is queued and whose first token is on the
-    prefill's GPU (the fake model's device tokens), not yet announced."""
-    delivered = connector.deliver(harness, request_id)
-    harness.model.device_tokens[request_id] = first_token
-    return KVConnectorOutput(first_tokens_on_device=delivered.finished_recving)
-
-
-def start_handoff(harness: Harness, request_id: str, prompt: list[int], **params) -> Request:
-    request = add_handoff(harness, request_id, prompt, **params)
-    assert harness.step().requests == []
-    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV
-    return request
-
-
-def test_a_handoff_runs_ahead_of_its_first_token_on_an_idle_engine():
-    """Its first decode step runs on the device's token before the announcement; the sample is
-    held back until the token is announced, then both go out in order, and the blocks cached
-    from then on hold the real token, not the stand-in."""
-    connector = HandoffConnector({"remote"})
-    harness = Harness(16, 4, max_num_seqs=8, max_num_batched_tokens=64, connector=connector)
-    prompt = list(range(1, 12))  # with the first token, three full blocks
-    first = next_token(prompt)
-    assert first != FIRST_TOKEN_STAND_IN
-    remote = start_handoff(harness, "remote", prompt, max_tokens=5, ignore_eos=True)
-    step = harness.step(connector_output=deliver_ahead(connector, harness, "remote", first))
-    assert plan(step) == [("remote", 11, 1, True)]
-    assert step.requests[0].first_token_on_device
-    assert harness.tokens["remote"] == [] and harness.scheduler.holds_samples
-    assert harness.model.device_tokens == {}  # the step read it
-    announced = KVConnectorOutput(first_tokens={"remote": HandedOffToken(first)})
-    harness.collect(harness.scheduler.update_from_connector(announced))
-    assert harness.tokens["remote"] == [first, next_token([*prompt, first])]
-    assert not harness.scheduler.holds_samples
-    harness.run_until_idle()
-    expected = reference_generation(prompt, remote.sampling_params)
-    assert (harness.tokens["remote"], harness.finish_reasons["remote"]) == expected
-    assert harness.kv.num_used_blocks == 0
-    again = Request("again", [*prompt, first, 3], SamplingParams())
-    assert len(harness.kv.get_computed_blocks(again)) == 3
-
-
-def test_a_first_token_announced_before_the_run_ahead_step_is_taken_from_the_host():
-    connector = HandoffConnector({"remote"})
-    harness = Harness(16, 4, max_num_seqs=8, max_num_batched_tokens=64, connector=connector)
-    prompt = list(range(1, 11))
-    first = next_token(prompt)
-    remote = start_handoff(harness, "remote", prompt, max_tokens=4, ignore_eos=True)
-    ahead = deliver_ahead(connector, harness, "remote", first)
-    harness.model.device_tokens.clear()  # not read: the host has the token by then
-    harness.collect(harness.scheduler.update_from_connector(ahead))
-    announced = KVConnectorOutput(first_tokens={"remote": HandedOffToken(first)})
-    harness.collect(harness.scheduler.update_from_connector(announced))
-    assert harness.tokens["remote"] == [first]
-    step = harness.step()
-    assert plan(step) == [("remote", 10, 1, True)]
-    assert not step.requests[0].first_token_on_device and step.requests[0].token_ids == [first]
-    harness.run_until_idle()
-    expected = reference_generation(prompt, remote.sampling_params)
-    assert (harness.tokens["remote"], harness.finish_reasons["remote"]) == expected
-    assert harness.kv.num_used_blocks == 0
-
-
-@pytest.mark.parametrize(
-    "busy, params",
-    [
-        (True, {}),
-        (False, {"repetition_penalty": 1.2}),
-        (False, {"structured": True}),
-        (False, {"max_tokens": 1}),
-    ],
-    ids=["engine-busy", "penalties", "grammar", "one-token"],
-)
-def test_a_handoff_waits_for_its_announcement_unless_it_can_run_ahead(busy, params):
-    """Other requests' steps must not wait on the prefill's GPU, and penalties or a grammar
-    need the first token on the host: those handoffs wait for the announcement proper."""
-    connector = HandoffConnector({"remote"})
-    harness = Harness(16, 4, max_num_seqs=8, max_num_batched_tokens=64, connector=connector)
-    if busy:
-        harness.add("local", [5, 6, 7], max_tokens=8, ignore_eos=True)
-    prompt = list(range(1, 11))
-    first = next_token(prompt)
-    structured = params.pop("structured", False)
-    remote = add_handoff(harness, "remote", prompt, **dict({"max_tokens": 4}, **params))
-    if structured:
-        remote.grammar = object()  # only its presence matters here
-    harness.step()
-    ahead = deliver_ahead(connector, harness, "remote", first)
-    step = harness.step(connector_output=ahead)
-    assert "remote" not in [item.request_id for item in step.requests]
-    assert remote.status == RequestStatus.WAITING_FOR_REMOTE_KV
-    assert remote.output_token_ids == [] and remote.num_computed_tokens == 0
-
-
-@pytest.mark.parametrize("outcome", ["stop", "failed", "aborted"])
-def test_a_run_ahead_handoff_that_ends_on_its_announcement_outputs_no_held_sample(outcome):
-    """The first token ends the request at prefill, the prefill gave up, or the client left:
-    the held sample never goes out and the blocks are freed."""
-    connector = HandoffConnector({"remote"})
-    harness = Harness(16, 4, max_num_seqs=8, max_num_batched_tokens=64, connector=connector)
-    prompt = list(range(1, 11))
-    first = next_token(prompt)
-    start_handoff(harness, "remote", prompt, max_tokens=4, stop_token_ids=[first])
-    harness.step(connector_output=deliver_ahead(connector, harness, "remote", first))
-    assert harness.scheduler.holds_samples
-    if outcome == "stop":
-        report = KVConnectorOutput(first_tokens={"remote": HandedOffToken(first, "stop", first)})
-    else:
-        report = KVConnectorOutput(failed_recving={"remote": "aborted"})
-    if outcome == "aborted":
-        harness.abort(["remote"])
-    harness.collect(harness.scheduler.update_from_connector(report))
-    expected = {"stop": ([first], "stop"), "failed": ([], "error"), "aborted": ([], "abort")}
-    assert (harness.tokens["remote"], harness.finish_reasons["remote"]) == expected[outcome]
-    assert not harness.scheduler.holds_samples and not harness.scheduler.has_work()
     assert harness.kv.num_used_blocks == 0

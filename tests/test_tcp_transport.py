@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import tandem
+from kv_faults.transport_faults import TransportFault, faulty
 from kv_wire import (
     CONFIRM,
     FETCH,
@@ -34,17 +35,20 @@ from kv_wire import (
     recv_exact,
     zeros_like_all,
 )
-from tandem.kv.tcp_transport import RETRY_ATTEMPTS, TcpKVClient, TcpKVServer
-from tandem.kv.transport import KVTransferError, TransportFault
+from tandem.kv.control.client import RETRY_ATTEMPTS, KVClient
+from tandem.kv.control.server import KVServer
+from tandem.kv.errors import KVTransferError
 
 
 @pytest.fixture
-def make_server() -> Iterator[Callable[..., tuple[TcpKVServer, DoneRecorder]]]:
-    servers: list[TcpKVServer] = []
+def make_server() -> Iterator[Callable[..., tuple[KVServer, DoneRecorder]]]:
+    """A server on a free port (with `fault`: one that injects it) and its done recorder."""
+    servers: list[KVServer] = []
 
-    def make(**kwargs: object) -> tuple[TcpKVServer, DoneRecorder]:
+    def make(fault: TransportFault | None = None, **kwargs: object):
         recorder = DoneRecorder()
-        server = TcpKVServer("127.0.0.1", 0, on_transfer_done=recorder, **kwargs)
+        server_class = KVServer if fault is None else faulty(KVServer, fault)
+        server = server_class("127.0.0.1", 0, on_transfer_done=recorder, **kwargs)
         servers.append(server)
         return server, recorder
 
@@ -54,14 +58,14 @@ def make_server() -> Iterator[Callable[..., tuple[TcpKVServer, DoneRecorder]]]:
 
 
 @pytest.fixture
-def client() -> Iterator[TcpKVClient]:
-    kv_client = TcpKVClient()
+def client() -> Iterator[KVClient]:
+    kv_client = KVClient()
     yield kv_client
     kv_client.close()
 
 
 def fetch_in_thread(
-    client: TcpKVClient, port: int, transfer_id: str, dest: list[torch.Tensor], **kwargs: object
+    client: KVClient, port: int, transfer_id: str, dest: list[torch.Tensor], **kwargs: object
 ) -> tuple[threading.Thread, list[BaseException]]:
     errors: list[BaseException] = []
 
@@ -221,9 +225,9 @@ class RetryCounter:
 
 
 @pytest.fixture
-def retrying_client() -> Iterator[tuple[TcpKVClient, RetryCounter]]:
+def retrying_client() -> Iterator[tuple[KVClient, RetryCounter]]:
     retries = RetryCounter()
-    kv_client = TcpKVClient(on_retry=retries)
+    kv_client = KVClient(on_retry=retries)
     yield kv_client, retries
     kv_client.close()
 
@@ -428,14 +432,14 @@ def test_transport_fault_parse():
 SERVER_SCRIPT = textwrap.dedent(
     """
     import sys, threading, torch
-    from tandem.kv.tcp_transport import TcpKVServer
+    from tandem.kv.control.server import KVServer
     layers = torch.load(sys.argv[2])
     done = threading.Event()
     results = []
     def on_done(transfer_id, ok):
         results.append((transfer_id, ok))
         done.set()
-    server = TcpKVServer(sys.argv[1], 0, on_transfer_done=on_done)
+    server = KVServer(sys.argv[1], 0, on_transfer_done=on_done)
     server.publish("netns-transfer", layers)
     print(server.port, flush=True)
     done.wait(30)
@@ -447,9 +451,9 @@ SERVER_SCRIPT = textwrap.dedent(
 CLIENT_SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    from tandem.kv.tcp_transport import TcpKVClient
+    from tandem.kv.control.client import KVClient
     dest = [torch.zeros_like(layer) for layer in torch.load(sys.argv[3])]
-    client = TcpKVClient()
+    client = KVClient()
     client.fetch(sys.argv[1], int(sys.argv[2]), "netns-transfer", dest, timeout=30)
     client.close()
     torch.save(dest, sys.argv[4])
@@ -646,7 +650,7 @@ def test_a_hold_broken_while_another_connection_holds_keeps_the_transfer_held(ma
     assert done.wait_for(1) == [("gpu", False)]
 
 
-def wait_for_connections(server: TcpKVServer, count: int) -> None:
+def wait_for_connections(server: KVServer, count: int) -> None:
     """Until the server's connection threads are down to `count` (closed ones noticed)."""
     deadline = time.monotonic() + 5.0
     while len(server._connections) != count:
@@ -654,15 +658,13 @@ def wait_for_connections(server: TcpKVServer, count: int) -> None:
         time.sleep(0.01)
 
 
-def start_held_wait(
-    client, server, handoff_id: str, early: bool = False
-) -> tuple[threading.Thread, list]:
+def start_held_wait(client, server, handoff_id: str) -> tuple[threading.Thread, list]:
     """A held wait on handoff_id in a thread; what it returns goes into the list."""
     received: list = []
     waiter = threading.Thread(
         target=lambda: received.append(
             client.await_held_announcement(
-                "127.0.0.1", server.port, handoff_id, timeout=5.0, hold_timeout=5.0, early=early
+                "127.0.0.1", server.port, handoff_id, timeout=5.0, hold_timeout=5.0
             )
         )
     )
@@ -670,26 +672,14 @@ def start_held_wait(
     return waiter, received
 
 
-def wait_with_hold(
-    client, server, handoff_id: str, early: bool = False
-) -> tuple[threading.Thread, list]:
+def wait_with_hold(client, server, handoff_id: str) -> tuple[threading.Thread, list]:
     """Start a held wait on handoff_id in a thread, once it reached the server."""
-    waiter, received = start_held_wait(client, server, handoff_id, early)
+    waiter, received = start_held_wait(client, server, handoff_id)
     deadline = time.monotonic() + 5.0
     while not server._handoffs.get(handoff_id) or server._handoffs[handoff_id].waiter is None:
         assert time.monotonic() < deadline, "the wait did not reach the server"
         time.sleep(0.01)
     return waiter, received
-
-
-def announced_early_to_a_waiter(client, server, transfer_id: str, early: dict) -> tuple:
-    """A held early wait on handoff "h", then `early` announced early for transfer_id: what
-    the wait returned, (message, hold)."""
-    waiter, received = wait_with_hold(client, server, "h", early=True)
-    assert server.announce_early("h", transfer_id, early)
-    waiter.join(5.0)
-    [answer] = received
-    return answer
 
 
 @pytest.mark.parametrize("announced_first", [False, True])
@@ -756,185 +746,6 @@ def test_an_abandoned_announced_hold_lets_go(make_server, client):
     assert done.wait_for(2) == [("gpu", False), ("gpu", True)]
 
 
-def test_an_early_announcement_holds_and_the_announcement_follows(make_server, client):
-    """A decode that waits early gets the early message with the transfer held, then the
-    announcement proper on the same connection; its release confirms as after any hold."""
-    owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner)
-    server.publish("gpu", [])
-    early = {"remote_request_id": "gpu", "remote_block_ids": [4, 2]}
-    message, hold = announced_early_to_a_waiter(client, server, "gpu", early)
-    assert message == early and hold.announcement_pending
-    assert owner.held == ["gpu"] and done.calls == []
-    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
-    assert hold.announcement() == {"first_token_id": 7}
-    assert not hold.announcement_pending
-    assert_release_ends_the_transfer(hold, server, client, done)
-
-
-def test_further_early_announcements_come_before_the_announcement_proper(make_server, client):
-    """What the prefill queues after the early announcement reaches the decode that got it as
-    further early announcements, in order, ahead of the announcement proper."""
-    owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner)
-    server.publish("gpu", [])
-    message, hold = announced_early_to_a_waiter(client, server, "gpu", {"remote_request_id": "gpu"})
-    assert message == {"remote_request_id": "gpu"} and hold.announcement_pending
-    assert server.announce_more("h", {"token_event": 1})
-    assert server.announce_more("h", {"token_event": 2})
-    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
-    assert hold.announcement() == {"token_event": 1} and hold.announcement_pending
-    assert hold.announcement() == {"token_event": 2} and hold.announcement_pending
-    assert hold.announcement() == {"first_token_id": 7} and not hold.announcement_pending
-    assert_release_ends_the_transfer(hold, server, client, done)
-
-
-def test_a_further_early_announcement_joins_the_kept_one_or_goes_nowhere(make_server, client):
-    """Before any decode waits, a further early announcement is added to the kept early
-    message; with no early announcement made, or after the announcement proper, it is not
-    sent (False)."""
-    owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner)
-    server.publish("gpu", [])
-    assert not server.announce_more("h", {"token_event": 1})  # nothing announced early
-    assert server.announce_early("h", "gpu", {"remote_request_id": "gpu"})
-    assert server.announce_more("h", {"token_event": 1})
-    [(message, hold)] = late_wait(client, server, "h")
-    assert message == {"remote_request_id": "gpu", "token_event": 1}
-    assert hold.announcement_pending
-    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
-    assert not server.announce_more("h", {"token_event": 2})  # after the proper: nowhere
-    assert hold.announcement() == {"first_token_id": 7} and not hold.announcement_pending
-    assert_release_ends_the_transfer(hold, server, client, done)
-    server.publish("plain", [])
-    assert server.announce_early("plain", "plain", {"n": 0})
-    server.announce("plain", {"n": 1})
-    assert not server.announce_more("plain", {"token_event": 3})  # the proper came first
-    assert client.await_announcement("127.0.0.1", server.port, "plain", timeout=5.0) == {"n": 1}
-
-
-def test_an_early_announcement_needs_an_early_waiter_and_a_hold(make_server, client):
-    """A wait that did not ask for it, a transfer the owner refuses: no early announcement,
-    and the announcement proper then carries everything as before."""
-    owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner)
-    server.publish("gpu", [])
-    server.publish("ended", [])
-    owner.ended.add("ended")
-    waiter, received = wait_with_hold(client, server, "plain")
-    assert not server.announce_early("plain", "gpu", {"n": 0})
-    server.announce("plain", {"n": 1})
-    waiter.join(5.0)
-    assert received == [({"n": 1}, None)]
-    waiter, received = wait_with_hold(client, server, "refused", early=True)
-    assert not server.announce_early("refused", "ended", {"n": 0})
-    server.announce("refused", {"n": 2})
-    waiter.join(5.0)
-    assert received == [({"n": 2}, None)]
-    assert owner.held == [] and done.calls == [] and server.early_announcements == 0
-
-
-def late_wait(client, server, handoff_id: str) -> list:
-    """A held wait (early) on handoff_id, run to its first message."""
-    waiter, received = start_held_wait(client, server, handoff_id, early=True)
-    waiter.join(5.0)
-    return received
-
-
-def test_an_early_announcement_waits_for_a_decode_that_comes_later(make_server, client):
-    """Made before anyone waits, an early announcement goes to the AWAIT (hold, early) that
-    comes before the announcement proper, from its connection's thread, with the transfer
-    held; the announcement proper follows on that connection."""
-    owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner)
-    server.publish("gpu", [])
-    early = {"remote_request_id": "gpu", "remote_block_ids": [4, 2]}
-    assert server.announce_early("h", "gpu", early)
-    assert owner.held == [] and server.early_announcements == 0  # kept, not sent
-    [(message, hold)] = late_wait(client, server, "h")
-    assert message == early and hold.announcement_pending and owner.held == ["gpu"]
-    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
-    assert hold.announcement() == {"first_token_id": 7}
-    assert server.early_announcements == 1  # counted before the waiter could be announced to
-    assert_release_ends_the_transfer(hold, server, client, done)
-    assert server._early_waiters == {} and server._handoffs["h"].waiter is None
-
-
-def test_a_kept_early_announcement_is_not_for_late_or_plain_waits(make_server, client):
-    """An AWAIT after the announcement proper gets only that (held as usual); one that did not
-    ask for early announcements waits for the announcement proper."""
-    owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner)
-    server.publish("gpu", [])
-    assert server.announce_early("after", "gpu", {"n": 0})
-    server.announce("after", {"first_token_id": 7}, transfer_id="gpu")
-    [(message, hold)] = late_wait(client, server, "after")
-    assert message == {"first_token_id": 7} and not hold.announcement_pending
-    assert_release_ends_the_transfer(hold, server, client, done)
-    assert server.announce_early("plain", "other", {"n": 0})
-    waiter, received = wait_with_hold(client, server, "plain", early=False)
-    server.announce("plain", {"n": 1})
-    waiter.join(5.0)
-    assert received == [({"n": 1}, None)]  # "other" is not published: nothing to hold
-    assert server.early_announcements == 0
-
-
-def test_the_announcement_proper_during_a_kept_early_ones_send_follows_it(make_server, client):
-    """`announce` runs while the connection's thread holds the transfer for the kept early
-    announcement: that thread sends the early message, then the announcement proper."""
-    server = None
-
-    def hold_while_announcing(transfer_id: str) -> bool:
-        server.announce("h", {"first_token_id": 7}, transfer_id=transfer_id)
-        return True
-
-    server, done = make_server(on_transfer_held=hold_while_announcing)
-    server.publish("gpu", [])
-    assert server.announce_early("h", "gpu", {"remote_request_id": "gpu"})
-    [(message, hold)] = late_wait(client, server, "h")
-    assert message == {"remote_request_id": "gpu"} and hold.announcement_pending
-    assert hold.announcement() == {"first_token_id": 7}
-    assert_release_ends_the_transfer(hold, server, client, done)
-
-
-def test_a_kept_early_announcement_the_owner_refuses_leaves_the_announcement_proper(
-    make_server, client
-):
-    """The lease ended before the decode came: no early message; the announcement proper (why
-    the prefill gave up) answers the wait."""
-    owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner)
-    server.publish("ended", [])
-    owner.ended.add("ended")
-    assert server.announce_early("h", "ended", {"n": 0})
-    waiter, received = wait_with_hold(client, server, "h", early=True)
-    server.announce("h", {"error": "the prefill ended without its KV"})
-    waiter.join(5.0)
-    assert received == [({"error": "the prefill ended without its KV"}, None)]
-    assert owner.held == [] and done.calls == [] and server.early_announcements == 0
-
-
-@pytest.mark.parametrize("how", ["abandon", "cancel"])
-def test_a_decode_that_leaves_after_an_early_announcement_lets_go(make_server, client, how):
-    """The decode fails, or its request is aborted while it waits for the announcement proper:
-    the connection closes, the server lets go of the transfer, and announcing it is harmless."""
-    owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner)
-    server.publish("gpu", [])
-    _, hold = announced_early_to_a_waiter(client, server, "gpu", {"remote_request_id": "gpu"})
-    if how == "abandon":
-        hold.abandon()
-    else:
-        cancelled = threading.Event()
-        cancelled.set()
-        with pytest.raises(KVTransferError) as error:
-            hold.announcement(cancelled)
-        assert error.value.kind == "aborted"
-    assert done.wait_for(1) == [("gpu", False)]
-    server.announce("h", {"first_token_id": 7}, transfer_id="gpu")
-    assert server._early_waiters == {}
-
-
 def test_a_handoff_announced_while_the_decode_waits_arrives_at_once(make_server, client):
     server, _ = make_server()
     message = {"remote_block_ids": [3, 1, 2], "first_token_id": 42, "kv_transport": "tcp"}
@@ -966,17 +777,17 @@ def test_the_announcing_thread_sends_to_a_waiting_decode_itself(make_server, cli
     announces (the engine's), not through the connection's thread; one announced before the
     wait is sent by the connection's thread when the wait arrives. Either way it is sent once,
     and the connection serves the client's next request."""
-    from tandem.kv import tcp_transport
+    from tandem.kv.control import server as kv_server
 
     senders: list[str] = []  # the threads that sent an ANNOUNCE
-    send = tcp_transport._send_message
+    send = kv_server.send_message
 
     def recording_send(sock, message_type, payload=b"", layer=0):
-        if message_type == tcp_transport._ANNOUNCE:
+        if message_type == kv_server.ANNOUNCE:
             senders.append(threading.current_thread().name)
         send(sock, message_type, payload, layer)
 
-    monkeypatch.setattr(tcp_transport, "_send_message", recording_send)
+    monkeypatch.setattr(kv_server, "send_message", recording_send)
     server, _ = make_server()
     received: list[dict] = []
     waiter = threading.Thread(
@@ -1102,7 +913,7 @@ def test_a_wait_for_an_unreachable_server_is_a_connection_error(client):
     assert failure.value.kind == "connection"
 
 
-def waiting_connection(server: TcpKVServer, handoff_id: str, other_than=()) -> socket.socket:
+def waiting_connection(server: KVServer, handoff_id: str, other_than=()) -> socket.socket:
     """The server's end of the connection that waits on handoff_id (not one of `other_than`)."""
     deadline = time.monotonic() + 5.0
     while True:
@@ -1149,7 +960,7 @@ def test_a_wait_whose_connection_breaks_is_retried_and_gets_the_announcement(
     sent it, the client never gets it): the client waits again on a new connection and gets
     the announcement, with the transfer held anew when it asked for a hold; the broken
     connection's hold is let go without undoing the new one."""
-    from tandem.kv import tcp_transport
+    from tandem.kv.control import server as kv_server
 
     client, retries = retrying_client
     owner = HoldOwner()
@@ -1157,16 +968,16 @@ def test_a_wait_whose_connection_breaks_is_retried_and_gets_the_announcement(
     server.publish("gpu", [])
     lost: list[socket.socket] = []
     if when == "as the announcement goes out":
-        send = tcp_transport._send_message
+        send = kv_server.send_message
 
         def losing_send(sock, message_type, payload=b"", layer=0):
-            if message_type == tcp_transport._ANNOUNCE and not lost:
+            if message_type == kv_server.ANNOUNCE and not lost:
                 lost.append(sock)
                 sock.shutdown(socket.SHUT_RDWR)  # sent, as far as the server knows
                 return
             send(sock, message_type, payload, layer)
 
-        monkeypatch.setattr(tcp_transport, "_send_message", losing_send)
+        monkeypatch.setattr(kv_server, "send_message", losing_send)
     started = time.monotonic()
     waiter, outcome = wait_in_thread(client, server, "h", hold)
     first = waiting_connection(server, "h")
@@ -1205,34 +1016,57 @@ def test_a_wait_that_breaks_more_often_than_its_retries_fails(make_server, retry
     assert retries.count == RETRY_ATTEMPTS - 1
 
 
-@pytest.mark.parametrize("announced", ["before the wait again", "during the wait again"])
-def test_a_break_after_an_early_announcement_waits_again_for_the_proper(
-    make_server, retrying_client, announced
-):
-    """The connection that brought an early announcement (with the transfer held) breaks
-    before the announcement proper: the client waits again on a new connection and gets it
-    with the transfer held anew (the copy it queued stays safe); the release confirms."""
-    client, retries = retrying_client
-    owner = HoldOwner()
-    server, done = make_server(on_transfer_held=owner)
-    server.publish("gpu", [])
-    _, hold = announced_early_to_a_waiter(client, server, "gpu", {"remote_request_id": "gpu"})
-    server._early_waiters["h"].shutdown(socket.SHUT_RDWR)
-    proper = {"first_token_id": 7}
-    if announced == "before the wait again":
-        server.announce("h", proper, transfer_id="gpu")
-    received: list[dict] = []
-    waiter = threading.Thread(target=lambda: received.append(hold.announcement()))
-    waiter.start()
-    if announced == "during the wait again":
-        waiting_connection(server, "h")
-        server.announce("h", proper, transfer_id="gpu")
-    waiter.join(5.0)
+# ---- the tcp data plane, block by block -----------------------------------------------------
 
-    assert received == [proper] and not hold.announcement_pending and retries.count == 1
-    wait_for_connections(server, 1)
-    assert server._transfers["gpu"].holds == 1 and owner.held == ["gpu", "gpu"]
-    before = len(done.calls)
-    hold.release()
-    assert done.wait_for(before + 1)[-1] == ("gpu", True)
-    assert "gpu" not in server._transfers
+
+def test_the_tcp_data_plane_reads_blocks_into_other_blocks(make_server):
+    """A source cache's blocks, staged layer by layer and served over the KV port, land in the
+    destination's blocks named for them, from first_block on; no other block changes."""
+    from tandem.kv.data.base import BlockSource
+    from tandem.kv.data.tcp import TcpDataPlane
+
+    cpu = torch.device("cpu")
+    shape = (3, 2, 10, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    source_cache = torch.randn(shape)
+    source_blocks, local_blocks = [7, 2, 5, 0], [1, 9, 4]  # local hits cover remote block 0
+    server, done = make_server()
+    client = KVClient()
+    source = TcpDataPlane(cpu, 5.0, None, lambda: None)
+    destination = TcpDataPlane(cpu, 5.0, client, lambda: None)
+    local_cache = torch.zeros(shape)
+    source.register_kv_cache(source_cache)
+    destination.register_kv_cache(local_cache)
+    try:
+        staged = source.stage("t", source_blocks)
+        for layer in range(shape[0]):
+            source.save_layer("t", layer)
+        server.publish("t", staged.layers, staged.wait_layer)
+        where = BlockSource("e", "127.0.0.1", server.port, "t", source_blocks, "", (0, 3), (0, 2))
+        read = destination.start_read(where, local_blocks, first_block=1)
+        assert read.wait(10)
+        assert read.result() == source_cache[:, :, source_blocks].numel() * 4
+        assert torch.equal(local_cache[:, :, local_blocks], source_cache[:, :, [2, 5, 0]])
+        others = [block for block in range(shape[2]) if block not in local_blocks]
+        assert not local_cache[:, :, others].any()
+        assert done.wait_for(1) == [("t", True)]  # the read confirmed the transfer
+
+        shard = BlockSource("e", "127.0.0.1", server.port, "t", source_blocks, "", (0, 3), (0, 1))
+        with pytest.raises(KVTransferError, match="mismatch"):
+            destination.start_read(shard, local_blocks, first_block=1).result()
+    finally:
+        source.close()
+        destination.close()
+        client.close()
+
+
+def test_data_planes_load_only_when_chosen():
+    code = (
+        "import sys; from tandem.kv.data import data_plane_class; "
+        "print(data_plane_class('tcp').__name__, 'tandem.kv.data.cuda_ipc' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.split() == ["TcpDataPlane", "False"], result.stderr
+    from tandem.kv.data import data_plane_class
+
+    with pytest.raises(ValueError, match="'nixl'; the transports are: tcp, cuda-ipc"):
+        data_plane_class("nixl")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from tandem.engine.outputs import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import GrammarMatcher
+from tandem.kv.connector.base import KVTransferParams
 
 
 class RequestStatus(enum.Enum):
@@ -50,7 +50,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # PD: the prefill side's kv_transfer_params (decode side) or our own request for remote
     # decode (prefill side); the connector reads them.
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -13,12 +13,6 @@ blocks, waits in WAITING_FOR_REMOTE_KV (outside the batch) until the connector r
 then those tokens count as computed. A finished request whose KV a remote decoder will read keeps
 its blocks until the connector reports that it is done with them.
 
-A handoff whose first token the decode's GPU can read from the prefill's (the connector reports
-it in `first_tokens_on_device`) may run ahead of the prefill's announcement of that token: on an
-otherwise idle engine it is scheduled at once, a stand-in in the token's place that the
-connector replaces on the device, so its step waits on the GPU, not on the host. Its sample is
-held back until the announcement proper brings the first token, which is output first.
-
 Faults: an exception while handling one request (its connector calls at scheduling, its update
 after the step) fails that request alone (`fail_request`: finish reason "error", its blocks and
 whatever the connector holds for it freed); `step_request_ids` names the requests of the last
@@ -42,21 +36,24 @@ from tandem.engine.outputs import (
     TokenLogprobs,
 )
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.structured_output import follow_sampled, grammar_bitmasks
 from tandem.engine.waiting_queue import WaitingQueue, urgency
-from tandem.kv.base import KVConnector, NoKVConnector, is_pending_handoff
+from tandem.kv.connector.base import KVConnectorScheduler, NoKVConnectorScheduler, RequestView
 
 logger = logging.getLogger(__name__)
 
-FIRST_TOKEN_STAND_IN = 0  # a run-ahead handoff's first token until the prefill announces it
 
-
-@dataclass(frozen=True)
-class HeldSample:
-    """A run-ahead handoff's sample, held until its first token is known."""
-
-    num_computed: int
-    token_id: int
-    logprobs: TokenLogprobs | None
+def connector_view(request: Request) -> RequestView:
+    """What the connector's scheduler side reads of a request."""
+    return RequestView(
+        request.request_id,
+        request.num_prompt_tokens,
+        request.kv_transfer_params,
+        request.status.value if request.status.is_finished else None,
+        request.num_output_tokens,
+        request.output_token_ids[0] if request.output_token_ids else None,
+        request.stop_reason,
+    )
 
 
 @dataclass(frozen=True)
@@ -72,18 +69,16 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
-        connector: KVConnector | None = None,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_manager
-        self.connector = connector or NoKVConnector()
+        self.connector = connector or NoKVConnectorScheduler()
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
         self.held_for_remote: set[str] = set()  # finished, blocks kept for a remote reader
-        # Handoffs running ahead of their first token, with their sample once their step ran.
-        self.ahead_of_first_token: dict[str, HeldSample | None] = {}
         self.num_preemptions = 0
         # The last schedule's requests (scheduled, or their load begun), the one it was on if it
         # raised included; and the outputs of requests it failed alone, for the engine core.
@@ -150,12 +145,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             self.step_request_ids.append(request.request_id)
-            if self.ahead_of_first_token.get(request.request_id) is not None:
-                index += 1  # its next input is known only once its first token is
-                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self._victim(index)
+                victim = self._victim()
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -181,7 +173,7 @@ class Scheduler:
             num_local = request.num_computed_tokens + len(hits) * self.kv.block_size
             try:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
-                    request, num_local
+                    connector_view(request), num_local
                 )
             except Exception as exc:
                 self._fail_alone(request, "the KV connector could not take it", exc)
@@ -194,7 +186,7 @@ class Scheduler:
                 request.num_cached_tokens = num_local
                 try:
                     self.connector.update_state_after_alloc(
-                        request, self.kv.block_ids(request.request_id), num_external
+                        connector_view(request), self.kv.block_ids(request.request_id), num_external
                     )
                 except Exception as exc:
                     self._fail_alone(request, "its KV load could not start", exc)
@@ -214,6 +206,7 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
+        self._add_grammar_bitmasks(scheduled)
         return SchedulerOutput(
             requests=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
@@ -224,6 +217,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        self._follow_sampled(scheduler_output, runner_output)
         for item in scheduler_output.requests:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -249,16 +243,7 @@ class Scheduler:
                 request.prompt_logprobs.extend(entries[recorded - first :])
         token_id = runner_output.sampled_token_ids.get(item.request_id)
         logprobs = runner_output.logprobs.get(item.request_id)
-        if item.request_id in self.ahead_of_first_token:
-            sample = HeldSample(len(item.token_ids), token_id, logprobs)
-            self.ahead_of_first_token[item.request_id] = sample
-            return None
         return self._advance(request, len(item.token_ids), token_id, logprobs)
-
-    @property
-    def holds_samples(self) -> bool:
-        """Whether a run-ahead handoff's sample waits for its first token."""
-        return any(sample is not None for sample in self.ahead_of_first_token.values())
 
     def _advance(
         self,
@@ -307,10 +292,32 @@ class Scheduler:
             output_index=request.num_output_tokens,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-            grammar=request.grammar,
-            first_token_on_device=start == request.num_prompt_tokens
-            and request.request_id in self.ahead_of_first_token,
         )
+
+    def _add_grammar_bitmasks(self, scheduled: list[ScheduledRequest]) -> None:
+        """The allowed tokens of the structured outputs that sample in this step, computed here
+        (the matchers stay with the scheduler) and carried to the sampler as plain bytes."""
+        rows = [item for item in scheduled if item.sample]
+        grammars = [self.requests[item.request_id].grammar for item in rows]
+        if not any(grammar is not None for grammar in grammars):
+            return
+        for item, bitmask in zip(rows, grammar_bitmasks(grammars), strict=True):
+            item.grammar_bitmask = bitmask
+
+    def _follow_sampled(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> None:
+        """Advance the grammars that gave this step a bitmask over the tokens sampled for them,
+        before the tokens are taken (a grammar the token completes ends its request)."""
+        grammars, token_ids = [], []
+        for item in scheduler_output.requests:
+            request = self.requests.get(item.request_id)
+            token_id = runner_output.sampled_token_ids.get(item.request_id)
+            if item.grammar_bitmask is None or request is None or token_id is None:
+                continue
+            grammars.append(request.grammar)
+            token_ids.append(token_id)
+        follow_sampled(grammars, token_ids)
 
     def _fail_alone(self, request: Request, what: str, exc: Exception) -> None:
         """An exception pinned on one request fails it alone (its output waits in
@@ -319,15 +326,11 @@ class Scheduler:
         error = f"the engine failed on this request: {what} ({type(exc).__name__}: {exc})"
         self.failed_outputs.append(self.fail_request(request.request_id, error))
 
-    def _victim(self, index: int) -> Request:
-        """The running request to preempt for the one at `index`: the last one, the newest
-        (fcfs) or the least urgent (priority), or the one at `index` itself when no other is
-        left to schedule in this step; never a handoff running ahead of its first token while
-        another can go (it cannot be recomputed)."""
-        for request in reversed(self.running[index + 1 :]):
-            if request.request_id not in self.ahead_of_first_token:
-                return request
-        return self.running[index]
+    def _victim(self) -> Request:
+        """The running request to preempt for the one being scheduled: the last one, the newest
+        (fcfs) or the least urgent (priority), which is that one itself when no other is left to
+        schedule in this step."""
+        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -345,9 +348,10 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.waiting_for_remote.pop(request.request_id, None)
-        self.ahead_of_first_token.pop(request.request_id, None)
         block_ids = self.kv.block_ids(request.request_id)
-        delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
+        delay_free, kv_transfer_params = self.connector.request_finished(
+            connector_view(request), block_ids
+        )
         if delay_free:
             self.held_for_remote.add(request.request_id)
         else:
@@ -396,7 +400,14 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         if connector_output is None:
             return outputs
-        for request_id in connector_output.finished_sending:
+        self.connector.update_connector_output(connector_output)
+        # Blocks kept for the connector: a lease's once it ended, a load's (its request finished
+        # while it ran) once the load ended.
+        for request_id in (
+            *connector_output.finished_sending,
+            *connector_output.finished_recving,
+            *connector_output.failed_recving,
+        ):
             if request_id in self.held_for_remote:
                 self.held_for_remote.discard(request_id)
                 self.kv.free(request_id)
@@ -406,11 +417,6 @@ class Scheduler:
             request = self.waiting_for_remote.get(request_id)
             if request is not None:
                 outputs.append(self._take_handed_off_token(request, handed_off))
-            elif (
-                request_id in self.ahead_of_first_token
-                and request_id not in connector_output.failed_recving
-            ):
-                outputs.extend(self._catch_up(self.requests[request_id], handed_off))
         for request_id in connector_output.finished_recving:
             request = self.waiting_for_remote.pop(request_id, None)
             if request is None:
@@ -419,18 +425,16 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         for request_id, kind in connector_output.failed_recving.items():
-            ran_ahead = request_id in self.ahead_of_first_token  # its first step may have run
-            request = (
-                self.requests[request_id] if ran_ahead else self.waiting_for_remote.get(request_id)
-            )
+            request = self.waiting_for_remote.get(request_id)
             if request is None:
                 continue
             # Recomputing needs the first token the client was sent: a handoff whose prefill
             # never announced one cannot be recomputed without risking a different one.
-            unannounced = request_id not in connector_output.first_tokens and is_pending_handoff(
-                request.kv_transfer_params
+            params = request.kv_transfer_params
+            unannounced = request_id not in connector_output.first_tokens and bool(
+                params and params.is_handoff
             )
-            if self.connector.recompute_on_failure and not unannounced and not ran_ahead:
+            if self.connector.recompute_on_failure and not unannounced:
                 # Start over as after a preemption: the blocks the load was to fill hold nothing
                 # valid, and a retry with prefix hits must get a block table that starts with them.
                 del self.waiting_for_remote[request_id]
@@ -442,42 +446,4 @@ class Scheduler:
                 output = self._finish(request, RequestStatus.FINISHED_ERROR)
                 output.error = f"the KV transfer from the prefill worker failed ({kind})"
                 outputs.append(output)
-        for request_id in connector_output.first_tokens_on_device:
-            request = self.waiting_for_remote.get(request_id)
-            if request is not None and self._can_run_ahead(request):
-                del self.waiting_for_remote[request_id]
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                self.ahead_of_first_token[request_id] = None
         return outputs
-
-    def _can_run_ahead(self, request: Request) -> bool:
-        """Whether a handoff whose first token is only on the device may be scheduled now, with a
-        stand-in for it: only on an idle engine (its step waits on the GPU for the prefill's,
-        which other requests' steps must not), only when the sampler needs no earlier token on
-        the host (penalties, a grammar), and only with the block of its first decode step
-        allocated here, so that it is never preempted (it could not be recomputed without that
-        token; newer requests are preempted first, and there are none older)."""
-        if self.running or self.waiting or request.max_output_tokens < 2:
-            return False
-        if request.grammar is not None or request.sampling_params.penalizes_history:
-            return False
-        num_local = request.num_computed_tokens
-        request.output_token_ids.append(FIRST_TOKEN_STAND_IN)
-        request.num_computed_tokens = request.num_prompt_tokens
-        if self.kv.allocate_slots(request, 1):
-            return True
-        request.output_token_ids.pop()
-        request.num_computed_tokens = num_local
-        return False
-
-    def _catch_up(self, request: Request, handed_off: HandedOffToken) -> list[EngineCoreOutput]:
-        """A run-ahead handoff's first token, announced: it takes the stand-in's place and is
-        output, then the sample its step held back, if the step ran."""
-        sample = self.ahead_of_first_token.pop(request.request_id)
-        request.output_token_ids.pop()
-        output = self._take_handed_off_token(request, handed_off)
-        if output.finished or sample is None:
-            return [output]
-        taken = self._advance(request, sample.num_computed, sample.token_id, sample.logprobs)
-        return [output] if taken is None else [output, taken]

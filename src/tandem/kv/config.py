@@ -6,8 +6,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from tandem.kv.data import DATA_PLANES
+
 ROLES = ("prefill", "decode", "both")
-TRANSPORTS = ("tcp", "cuda-ipc")
+TRANSPORTS = tuple(DATA_PLANES)
 FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -21,8 +23,7 @@ class KVTransferConfig:
     transfer_timeout_s: float = 30.0
     handoff_timeout_s: float = 600.0  # how long a decode waits for a prefill it was handed off
     load_failure_policy: str = "recompute"
-    fault: str | None = None  # fault injection for tests, e.g. "drop:1", "delay:5"
-    # the cluster's shared secret: KV connections prove it both ways (tandem.kv.auth)
+    # the cluster's shared secret: KV connections prove it both ways (tandem.kv.control.auth)
     cluster_token: str | None = field(default=None, repr=False)
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 

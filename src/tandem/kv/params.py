@@ -12,10 +12,11 @@ shapes:
 
 `KVTransferParams` checks types and static ranges; `parse_kv_transfer_params` then holds them to
 this worker (role, transport, block size, vocabulary) and to the request's prompt, and returns
-what the engine gets: the fields known here, as given, nulls left out. Unknown keys are ignored
-(vLLM sends some). Every refusal is a `KVParamsError` naming the field. A layout the prefill and
-decode workers do not share (`kv_layout`) is the connector's to find: it recomputes or fails the
-load, as for any transfer that cannot be used.
+what the engine gets, typed: the struct is the one form inside the engine and the connector;
+`to_wire` makes the JSON-ready dict (nulls left out) where params leave it. Unknown keys are
+ignored (vLLM sends some). Every refusal is a `KVParamsError` naming the field. A layout the
+prefill and decode workers do not share (`kv_layout`) is the connector's to find: it recomputes
+or fails the load, as for any transfer that cannot be used.
 
 `HandedOutLeases` remembers the lease ids (`remote_request_id`) a prefill worker gave out, so
 that `POST /v1/kv/release` can answer 404 for any other id.
@@ -54,6 +55,9 @@ class KVTransferParams(msgspec.Struct, frozen=True):
     block_size: Positive | None = None
     kv_layout: ShortString | None = None
     kv_ipc_handle: Annotated[str, Meta(min_length=1, max_length=MAX_HANDLE_LENGTH)] | None = None
+    # tandem's own (no vLLM name): the client has the first token already, from the prefill's
+    # answer, so the decode leg's stream starts after it (docs/protocol.md, "The first token")
+    first_token_sent: bool | None = None
 
     @property
     def is_handoff(self) -> bool:
@@ -61,7 +65,6 @@ class KVTransferParams(msgspec.Struct, frozen=True):
         return bool(self.do_remote_prefill and self.handoff_id) and self.first_token_id is None
 
 
-FIELDS = frozenset(KVTransferParams.__struct_fields__)
 # What a decode leg in vLLM's flow needs from the prefill answer; a handoff leg gets it from the
 # announcement. cuda-ipc also needs kv_ipc_handle.
 DECODE_FIELDS = (
@@ -95,7 +98,7 @@ class WorkerKV:
 
 def parse_kv_transfer_params(
     raw: dict[str, Any] | None, worker: WorkerKV, num_prompt_tokens: int
-) -> dict[str, Any] | None:
+) -> KVTransferParams | None:
     """The params the engine gets for a request of `num_prompt_tokens` tokens (None: none);
     KVParamsError for anything this worker cannot take."""
     if raw is None:
@@ -103,7 +106,14 @@ def parse_kv_transfer_params(
     params = typed(raw)
     check_shape(params, worker)
     check_against(params, worker, num_prompt_tokens)
-    return {key: value for key, value in raw.items() if key in FIELDS and value is not None}
+    return params
+
+
+def to_wire(params: KVTransferParams) -> dict[str, Any]:
+    """The params as JSON holds them: the fields given, nulls left out."""
+    return {
+        name: value for name, value in msgspec.structs.asdict(params).items() if value is not None
+    }
 
 
 def typed(raw: dict[str, Any]) -> KVTransferParams:
@@ -129,6 +139,9 @@ def check_shape(params: KVTransferParams, worker: WorkerKV) -> None:
     if params.do_remote_decode and worker.role not in ("prefill", "both"):
         message = f"a {worker.role} worker serves no KV; send the prefill leg to a prefill worker"
         raise KVParamsError(leg, message)
+    if params.first_token_sent and not params.do_remote_prefill:
+        message = "only a decode leg (do_remote_prefill) streams after a first token: drop it"
+        raise KVParamsError("first_token_sent", message)
     if not params.do_remote_prefill:
         return
     if worker.role not in ("decode", "both"):

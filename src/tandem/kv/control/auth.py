@@ -30,7 +30,7 @@ import socket
 import struct
 import time
 
-from tandem.kv.transport import KVTransferError
+from tandem.kv.errors import KVTransferError
 
 HANDSHAKE_TIMEOUT_S = 5.0  # how long either side waits for the other's part of the handshake
 PROTOCOL_VERSION = 1

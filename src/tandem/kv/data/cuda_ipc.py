@@ -1,28 +1,29 @@
-"""GPU-direct KV copies between two workers on one host, through CUDA IPC.
+"""The cuda-ipc data plane: GPU-to-GPU KV copies between two workers on one host.
 
-The prefill worker exports a handle to its whole KV cache once (it goes out with every prefill
-answer, a few hundred bytes). The decode worker opens it once per prefill engine, which maps the
-remote cache into its own GPU's context (with peer access to the remote GPU), and then moves a
-request's blocks with one Triton kernel launched on its own GPU, which reads the remote blocks over
-NVLink and writes them into the local blocks:
+The source exports a handle to its whole KV cache once (`export`: it goes out in every prefill
+answer's kv_ipc_handle, a few hundred bytes) and stages nothing: the destination reads the
+cache in place, while the connector holds the source's lease. The destination maps a source's
+cache once per source engine (into its own GPU's context, with peer access to the remote GPU);
+start_read queues the read, and the engine thread launches it at the start of its next step
+(`start_queued_reads`) on a copy stream that waits for the engine's queued work, with the
+engine's stream waiting for the copy: one Triton kernel on the local GPU reads the remote blocks
+over NVLink and writes the local ones:
 
     plane p = layer * 2 + (key | value), block pair i:
         local[p, local_block_ids[i]]  <-  remote[p, remote_block_ids[i]]      (one program each)
 
-The prefill's GPU runs none of this: its own work never waits behind another process's copy
-there. Without Triton the copy falls back to a torch gather over NVLink and a scatter, both on
-the local GPU (slower: the bytes cross memory three times).
-
-Both workers must see the same GPUs under the same indices (the same CUDA_VISIBLE_DEVICES), since a
-handle names the device by its index. A handle is plain data (msgpack: numbers, bytes, and the few
-torch types a rebuild needs, by name from a fixed list), never a pickle: it arrives in a request's
-kv_transfer_params, and decoding it must not run code. The TCP control channel of the connector
-still carries the decode's confirmation, so leases and failures work as with the TCP transport.
+The source's GPU runs none of this. Without Triton the copy falls back to a torch gather and
+scatter on the local GPU (slower: the bytes cross memory three times). Both workers must see the
+same GPUs under the same indices (a handle names the device by index). A handle is plain data
+(msgpack: numbers, bytes and a fixed list of torch type names), never a pickle: it arrives in a
+request's kv_transfer_params, and decoding it must not run code.
 """
 
 from __future__ import annotations
 
 import base64
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -30,6 +31,8 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from tandem.engine.input_staging import InputStaging
+from tandem.kv.data.base import BlockSource, DataPlane, ReadHandle
+from tandem.kv.errors import KVTransferError
 
 try:
     import triton
@@ -238,3 +241,69 @@ class BlockCopier:
         if after is None:
             local_stream.wait_event(done)
         return queued, done
+
+
+class CudaIpcDataPlane(DataPlane):
+    reads_in_place = True
+    export_fields = ("kv_ipc_handle",)
+
+    def __init__(self, device: torch.device, *args, **kwargs) -> None:
+        if device.type != "cuda":
+            raise ValueError("the cuda-ipc KV transport needs --device cuda")
+        super().__init__(device, *args, **kwargs)
+        self.handle: str | None = None
+        self.copier: BlockCopier | None = None
+        self.remote_caches: dict[str, torch.Tensor] = {}  # source engine id -> mapped cache
+        self.lock = threading.Lock()
+        self.queued: list[tuple[ReadHandle, torch.Tensor, list[int], list[int]]] = []
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        super().register_kv_cache(kv_cache)
+        self.handle = export_handle(kv_cache)
+        self.copier = BlockCopier(kv_cache)
+
+    def export(self) -> dict[str, Any]:
+        return {"kv_ipc_handle": self.handle}
+
+    def start_read(
+        self,
+        source: BlockSource,
+        local_block_ids: list[int],
+        first_block: int,
+        on_done: Callable[[ReadHandle], None] | None = None,
+    ) -> ReadHandle:
+        """Map the source's cache (on its first read) and queue the copy for the engine
+        thread; raises KVTransferError when the source is not one this plane can read."""
+        self.check_whole(source)
+        handle_text = source.exported.get("kv_ipc_handle")
+        if not handle_text:
+            raise KVTransferError("mismatch", "the prefill worker exported no CUDA IPC handle")
+        if source.engine_id not in self.remote_caches:
+            self.remote_caches[source.engine_id] = open_handle(handle_text, self.device)
+        read = ReadHandle(on_done)
+        remote_ids = source.block_ids[first_block:]
+        with self.lock:
+            self.queued.append(
+                (read, self.remote_caches[source.engine_id], remote_ids, local_block_ids)
+            )
+        self.wake_engine()
+        return read
+
+    def start_queued_reads(self) -> None:
+        """Engine thread: launch the queued copies; each read is done once launched (the
+        engine's later work waits for the copy), its wait_copied once the copy is."""
+        with self.lock:
+            queued, self.queued = self.queued, []
+        block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        for read, remote_cache, remote_ids, local_ids in queued:
+            try:
+                queued_event, done = self.copier.launch(remote_cache, remote_ids, local_ids)
+            except Exception as exc:
+                read.fail(exc)
+                continue
+
+            def copied(queued_event=queued_event, done=done) -> float:
+                done.synchronize()
+                return queued_event.elapsed_time(done) / 1e3
+
+            read.finish(len(remote_ids) * block_bytes, copied)

@@ -1,0 +1,162 @@
+"""The data plane interface: one per engine rank, it moves KV blocks and nothing else.
+
+A data plane knows blocks, layers and KV-head ranges, never requests, leases or handoffs (the
+connector maps those onto it; the control plane, kv/control, carries them between workers).
+
+    source side     register_kv_cache(kv_cache); export() -> the fields a peer reaches this
+                    cache with (they go out in kv_transfer_params);
+                    stage(transfer_id, block_ids) -> StagedTransfer, save_layer(transfer_id, i)
+                    after layer i is written, withdraw(transfer_id): for planes that copy the
+                    blocks out (tcp); no-ops for planes that read the cache in place (cuda-ipc)
+    destination     start_read(source, local_block_ids, first_block, on_done) -> ReadHandle:
+                    read the source's blocks first_block.. into local_block_ids, asynchronously
+                    (on_done(handle) once done, on the thread that ends it);
+                    start_queued_reads() on the engine thread before each step's schedule
+                    (a plane that queues reads for it wakes the engine: wake_engine)
+
+Blocks line up one to one: remote block k holds the same tokens as the request's local block k.
+`reads_in_place` planes read the source's cache while the read runs: the source must keep the
+blocks (the connector holds its lease) until `ReadHandle.wait_copied()` returns.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class BlockSource:
+    """Where a read's blocks are: a peer's cache, and which part of it."""
+
+    engine_id: str  # the source engine (a plane may keep what it maps per engine)
+    host: str
+    port: int  # the source's KV port (its control plane; tcp's byte stream runs on it)
+    transfer_id: str  # what the source staged the blocks under
+    block_ids: list[int]  # every block of the transfer, in token order
+    layout: str  # kv_transfer_params' kv_layout: "{layers}x2x{kv_heads}x{head_dim}:{dtype}"
+    layers: tuple[int, int]  # [start, stop) of the source's layers (today: all)
+    kv_heads: tuple[int, int]  # [start, stop) of its KV heads (today: all; a TP shard later)
+    exported: dict[str, Any] = field(default_factory=dict)  # the source plane's export()
+
+
+@dataclass
+class StagedTransfer:
+    """What a plane that copies blocks out serves for one transfer: one contiguous host tensor
+    per layer, valid once wait_layer(i) returns (None: valid now)."""
+
+    layers: list[torch.Tensor]
+    wait_layer: Callable[[int], None] | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(layer.numel() * layer.element_size() for layer in self.layers)
+
+
+class ReadHandle:
+    """One read in flight. done() once the local blocks hold the source's bytes as far as the
+    engine's next step sees them; result() -> the bytes moved, or raises what failed it
+    (KVTransferError for the transfer's own failures)."""
+
+    def __init__(self, on_done: Callable[[ReadHandle], None] | None = None) -> None:
+        self._future: Future[int] = Future()
+        self._copied: Callable[[], float] = lambda: 0.0
+        if on_done is not None:
+            self._future.add_done_callback(lambda _: on_done(self))
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return bool(wait([self._future], timeout).done)
+
+    def result(self) -> int:
+        return self._future.result()
+
+    def wait_copied(self) -> float:
+        """Block until nothing reads the source's blocks any more; the seconds the copy took
+        on the device after it was queued (0.0 where done() already meant that)."""
+        return self._copied()
+
+    # the plane's side
+    def finish(self, num_bytes: int, copied: Callable[[], float] | None = None) -> None:
+        if copied is not None:
+            self._copied = copied
+        self._future.set_result(num_bytes)
+
+    def fail(self, exc: BaseException) -> None:
+        self._future.set_exception(exc)
+
+
+class DataPlane(abc.ABC):
+    reads_in_place: ClassVar[bool] = False
+    # the kv_transfer_params fields export() fills, which a destination's BlockSource carries
+    export_fields: ClassVar[tuple[str, ...]] = ()
+    # Whether save_layer copies each layer out while the later layers run (else the runner may
+    # queue the whole forward pass first, one CUDA graph, and make every layer's call after it).
+    saves_between_layers: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        device: torch.device,
+        transfer_timeout_s: float,
+        client: Any,
+        wake_engine: Callable[[], None],
+    ) -> None:
+        """client: the control plane's KVClient (None on a worker that reads no KV);
+        wake_engine(): wakes an idle engine loop, for reads queued for its thread."""
+        self.device = device
+        self.transfer_timeout_s = transfer_timeout_s
+        self.client = client
+        self.wake_engine = wake_engine
+        self.kv_cache: torch.Tensor | None = None
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache[layer, 0 = key | 1 = value, block, offset, kv_head, head_dim]."""
+        self.kv_cache = kv_cache
+
+    def export(self) -> dict[str, Any]:
+        return {}
+
+    def stage(self, transfer_id: str, block_ids: list[int]) -> StagedTransfer:
+        return StagedTransfer([])
+
+    def save_layer(self, transfer_id: str, layer_index: int) -> None:
+        return None
+
+    def withdraw(self, transfer_id: str) -> None:
+        return None
+
+    @abc.abstractmethod
+    def start_read(
+        self,
+        source: BlockSource,
+        local_block_ids: list[int],
+        first_block: int,
+        on_done: Callable[[ReadHandle], None] | None = None,
+    ) -> ReadHandle: ...
+
+    def start_queued_reads(self) -> None:
+        """Engine thread, before each step's schedule: start what must start there."""
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def check_whole(self, source: BlockSource) -> None:
+        """Today's planes read whole caches: every layer and every KV head of the source."""
+        from tandem.kv.errors import KVTransferError
+
+        num_layers, num_kv_heads = self.kv_cache.shape[0], self.kv_cache.shape[4]
+        if source.layers != (0, num_layers) or source.kv_heads != (0, num_kv_heads):
+            raise KVTransferError(
+                "mismatch",
+                f"layers {source.layers} and KV heads {source.kv_heads} of the source, this "
+                f"worker reads all {num_layers} layers and {num_kv_heads} KV heads",
+            )
