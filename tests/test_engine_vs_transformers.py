@@ -119,9 +119,26 @@ def test_logits_match_at_every_position(shape, tiny_checkpoints):
             max_query_len=size,
             max_seq_len=start + size,
         )
-        hidden = core.model(
-            torch.tensor(prompt[start : start + size]), positions, core.runner.kv_cache, metadata
+        model, kv_cache = core.executor.model, core.executor.runner.kv_cache
+        hidden = model.forward(
+            torch.tensor(prompt[start : start + size]), positions, kv_cache, metadata
         )
-        got.append(core.model.compute_logits(hidden))
+        got.append(model.compute_logits(hidden))
         start += size
     torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_registry_maps_each_architecture_and_refuses_others_naming_the_supported():
+    from tandem.models import registry
+    from tandem.models.llama import LlamaForCausalLM
+
+    for architecture in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        assert registry.model_class(architecture) is LlamaForCausalLM
+    assert registry.architecture_of({"model_type": "qwen3"}) == "Qwen3ForCausalLM"  # no list
+    listed = {"architectures": ["FancyForCausalLM", "MistralForCausalLM"]}
+    assert registry.architecture_of(listed) == "MistralForCausalLM"  # the first supported
+    with pytest.raises(ValueError, match="MambaForCausalLM is not supported") as refused:
+        registry.architecture_of({"model_type": "mamba", "architectures": ["MambaForCausalLM"]})
+    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in str(
+        refused.value
+    )

@@ -295,7 +295,9 @@ def test_greedy_outputs_match_the_uncached_path(tmp_path, tiny_gguf, monkeypatch
         monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache_dir))
         llm = LLM(model=str(tiny_gguf), num_kv_blocks=16, block_size=16)
         [output] = llm.generate("the cat in a hat", params)
-        state = {name: tensor.clone() for name, tensor in llm.core.model.state_dict().items()}
+        state = {
+            name: tensor.clone() for name, tensor in llm.core.executor.model.state_dict().items()
+        }
         runs.append((output.prompt_token_ids, output.outputs[0], state))
     (ids, first, state), *others = runs
     assert len(first.token_ids) == 12

@@ -8,9 +8,9 @@ from tandem.engine.core import EngineCore
 from tandem.engine.piecewise_graphs import token_count_ladder
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.kv.base import NoKVConnector
 from tandem.kv.config import KVTransferConfig
-from tandem.kv.connector import connector_factory
+from tandem.kv.connector import make_connectors
+from tandem.kv.connector.base import KVTransferParams, NoKVConnectorWorker
 
 
 def test_ladder_doubles_to_256_then_steps_by_256_to_the_cap():
@@ -43,17 +43,17 @@ def test_only_the_tcp_transports_saves_keep_the_layers_apart(tiny_checkpoints):
     graph may run and the per-layer calls after it."""
     kv_config = KVTransferConfig(role="prefill", transport="tcp")
     config = EngineConfig(model=str(tiny_checkpoints["llama-gqa"]), num_kv_blocks=32)
-    core = EngineCore(config, connector_factory(kv_config))
+    core = EngineCore(config, make_connectors(kv_config))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=1)
         prompt = list(range(3, 43))
         core.add_request(
-            Request("p", prompt, params, kv_transfer_params={"do_remote_decode": True})
+            Request("p", prompt, params, kv_transfer_params=KVTransferParams(do_remote_decode=True))
         )
         metadata = core.scheduler.schedule().kv_connector_metadata
         assert metadata.saves
-        assert core.connector.saves_between_layers(metadata)
-        assert not core.connector.saves_between_layers(core.connector.build_connector_meta([]))
+        assert core.kv_worker.saves_between_layers(metadata)
+        assert not core.kv_worker.saves_between_layers(core.connector.build_connector_meta([]))
     finally:
         core.shutdown()
-    assert not NoKVConnector().saves_between_layers(None)
+    assert not NoKVConnectorWorker().saves_between_layers(None)

@@ -17,7 +17,8 @@ from tandem import LLM, SamplingParams
 from tandem.engine.structured_output import (
     GrammarBackend,
     StructuredOutput,
-    apply_grammar_masks,
+    apply_grammar_bitmasks,
+    grammar_bitmasks,
     tokenizer_json,
 )
 from tiny_models import byte_level_bpe
@@ -40,6 +41,11 @@ def tokenizer() -> PreTrainedTokenizerFast:
     core = byte_level_bpe(CORPUS, VOCAB)
     assert core.get_vocab_size() == VOCAB
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>")
+
+
+def apply_grammar_masks(logits: torch.Tensor, grammars: list) -> torch.Tensor:
+    """The logits as the sampler masks them, with the bitmasks the scheduler computes."""
+    return apply_grammar_bitmasks(logits, grammar_bitmasks(grammars))
 
 
 @pytest.fixture(scope="module")

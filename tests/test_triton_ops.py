@@ -20,7 +20,8 @@ CHECK = textwrap.dedent(
     from tandem.models import triton_ops as T
     from tandem.models.config import ModelConfig
     from tandem.attention.torch_backend import TorchAttentionBackend
-    from tandem.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
+    from tandem.models.layers.norm import RMSNorm
+    from tandem.models.layers.rotary import RotaryEmbedding, apply_rotary
 
     @torch.inference_mode()
     def run(device, dtype, atol):

@@ -36,7 +36,7 @@ def parse_faults(value: str) -> dict[str, int]:
 def install(core_module, faults: dict[str, int]) -> None:
     scheduler_class = core_module.Scheduler
     request_class = core_module.Request
-    runner_class = core_module.ModelRunner
+    executor_class = core_module.UniprocessExecutor
 
     if "admit" in faults:
         add_request = scheduler_class.add_request
@@ -65,7 +65,7 @@ def install(core_module, faults: dict[str, int]) -> None:
         step_faults[faults["cuda"]] = (RuntimeError, "CUDA error: an illegal memory access")
     slow_token_id = faults.get("slow")
     if step_faults or slow_token_id is not None:
-        execute = runner_class.execute
+        execute = executor_class.execute_model
 
         def failing_execute(self, scheduler_output):
             for item in scheduler_output.requests:
@@ -76,7 +76,7 @@ def install(core_module, faults: dict[str, int]) -> None:
                 time.sleep(SLOW_STEP_S)
             return execute(self, scheduler_output)
 
-        runner_class.execute = failing_execute
+        executor_class.execute_model = failing_execute
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):

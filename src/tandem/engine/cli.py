@@ -163,6 +163,18 @@ def add_engine_arguments(parser: argparse._ActionsContainer) -> None:
         "drawn in the order requests are sampled, so a server started with the same seed "
         "answers the same requests alike), and dummy weights (default: 0, vLLM's)",
     )
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks, one process each (on CUDA, N GPUs from --device "
+        "on; on the CPU, gloo): attention heads, MLP and vocabulary split, KV heads split or "
+        "replicated when fewer than N. N must divide the attention heads, and divide or be a "
+        "multiple of the KV heads. Not yet with a KV transfer (roles prefill, decode and pd)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, command: str):
@@ -191,6 +203,7 @@ def engine_config_from_args(args: argparse.Namespace, command: str):
         piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         busy_poll_s=args.busy_poll_s,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -51,6 +51,8 @@ class EngineConfig:
     # seeds the sampling of requests without a seed of their own (one generator, drawn in the
     # order requests are sampled, as vLLM's), and dummy weights
     seed: int = 0
+    # ranks the model is split over, one process each (rank r on GPU device + r on CUDA)
+    tensor_parallel_size: int = 1
 
     def resolved(self) -> EngineConfig:
         """Replace every "auto" by what it means on this machine, and check the values."""
@@ -75,6 +77,16 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.piecewise_cuda_graph_max_tokens < 0:
             raise ValueError("piecewise_cuda_graph_max_tokens must be 0 (off) or more")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be 1 or more")
+        if device.startswith("cuda") and self.tensor_parallel_size > 1:
+            first = torch.device(device).index
+            if first + self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs from "
+                    f"{device} on, and this host has {torch.cuda.device_count()}: use fewer "
+                    "ranks or an earlier device"
+                )
         busy_poll_s = self.busy_poll_seconds(device)
         if busy_poll_s < 0:
             raise ValueError("busy_poll_s must be 0 or more")

@@ -1,7 +1,11 @@
-"""The engine core: model, KV cache, scheduler and runner in one step loop, token ids only.
+"""The engine core: scheduler, KV cache manager and executor in one step loop, token ids only.
 
-    step():  take the connector's finished transfers -> schedule -> run the model (and the
-             connector's loads/saves) -> update requests
+    step():  take the connector's finished transfers -> schedule -> the executor runs the model
+             (and the connector's loads/saves) -> update requests
+
+The core reaches the model only through its `Executor` (tandem.executor), which it hands each
+step's `SchedulerOutput`, plain data; the executor loads the model and sizes the KV cache, the
+core keeps the block bookkeeping and every request's state.
 
 Tokenization, detokenization and stop strings belong to the front end (`LLM` offline, the HTTP
 server online), which talks to this core in the same process or through `EngineCoreProcess`.
@@ -17,25 +21,26 @@ of several requests failed in a row, raise `FatalEngineError`, which ends the en
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
-from tandem.attention.base import get_backend
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.outputs import EngineCoreOutput, KVConnectorOutput
 from tandem.engine.request import Request
-from tandem.engine.runner import ModelRunner, plan_kv_cache
-from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.engine.structured_output import GrammarBackend
-from tandem.kv.base import KVConnector, NoKVConnector
-from tandem.models.loader import load_model, resolve_model
+from tandem.executor.base import Executor, ExecutorFailedError, make_executor
+from tandem.kv.connector.base import (
+    ConnectorFactory,
+    NoKVConnectorScheduler,
+    NoKVConnectorWorker,
+)
+from tandem.models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
 
-ConnectorFactory = Callable[["EngineCore"], KVConnector]
 MAX_FAILED_STEPS = 3  # of several requests, in a row: the engine is broken, not one request
 
 
@@ -63,7 +68,6 @@ def transfer_request_ids(report: KVConnectorOutput | None) -> list[str]:
         *report.finished_recving,
         *report.failed_recving,
         *report.first_tokens,
-        *report.first_tokens_on_device,
     ]
 
 
@@ -83,16 +87,10 @@ class EngineCore:
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
-        backend = get_backend(config.attention_backend)
-        self.model = load_model(
-            self.source,
-            backend,
-            config.torch_dtype,
-            self.device,
-            config.load_format,
-            config.seed,
+        self.executor: Executor = make_executor(
+            config, self.source, kv_transfer=connector_factory is not None
         )
-        self.kv_spec = plan_kv_cache(config, self.model_config, self.model)
+        self.kv_spec = self.executor.determine_kv_cache()
         # A request longer than the whole KV cache could never finish: it would be preempted
         # and rescheduled forever. Such requests are refused up front instead.
         kv_capacity = self.kv_spec.num_blocks * config.block_size
@@ -107,7 +105,11 @@ class EngineCore:
         self.kv_manager = KVCacheManager(
             self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.connector = connector_factory(self) if connector_factory else NoKVConnector()
+        self.connector, self.kv_worker = (
+            connector_factory(self.kv_spec, self.device)
+            if connector_factory
+            else (NoKVConnectorScheduler(), NoKVConnectorWorker())
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -118,18 +120,7 @@ class EngineCore:
             self.kv_manager,
             self.connector,
         )
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_spec,
-            self.device,
-            Sampler(self.model_config.eos_token_ids, config.seed),
-            self.connector,
-            cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
-            max_seq_len=self.max_model_len,
-            piecewise_graph_max_tokens=0
-            if config.enforce_eager
-            else min(config.piecewise_cuda_graph_max_tokens, config.max_num_batched_tokens),
-        )
+        self.executor.initialize_kv_cache(self.kv_spec, self.kv_worker, self.max_model_len)
         self.grammars = GrammarBackend(self.model_config.vocab_size)
         self.num_failed_steps = 0  # of several requests, in a row
         logger.info(
@@ -187,6 +178,9 @@ class EngineCore:
         return outputs
 
     def has_work(self) -> bool:
+        """Whether a step has something to do; raises ExecutorFailedError once a rank died,
+        which ends an engine loop that asks, idle or not."""
+        self.executor.check_health()
         return self.scheduler.has_work()
 
     def take_finished_transfers(self) -> list[EngineCoreOutput]:
@@ -194,7 +188,7 @@ class EngineCore:
         handoff's first token, a failed load's error). step() starts with this."""
         report = None
         try:
-            report = self.connector.get_finished()
+            report = self.kv_worker.get_finished()
             return self.scheduler.update_from_connector(report)
         except Exception as exc:
             return self._failed_step(exc, transfer_request_ids(report))
@@ -209,15 +203,11 @@ class EngineCore:
         """Schedule, run and update one batch, without taking finished transfers first."""
         try:
             scheduler_output = self.scheduler.schedule()
-            runner_output = self.runner.execute(scheduler_output)
+            runner_output = self.executor.execute_model(scheduler_output)
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         except Exception as exc:
             return self._failed_step(exc, self.scheduler.step_request_ids)
         self.num_failed_steps = 0
-        if self.scheduler.holds_samples:
-            # A handoff ran ahead of its first token, whose announcement is most likely in by
-            # now (the step waited for the prefill's GPU): both tokens go out with this step.
-            outputs.extend(self.take_finished_transfers())
         return outputs
 
     def _failed_step(self, exc: Exception, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
@@ -235,6 +225,8 @@ class EngineCore:
         error = f"the engine's step that ran this request failed ({type(exc).__name__}: {exc})"
         outputs = self.scheduler.take_failed_outputs()
         outputs.extend(self.scheduler.fail_request(request_id, error) for request_id in request_ids)
+        if isinstance(exc, ExecutorFailedError):
+            raise FatalEngineError(str(exc), outputs)
         if is_sticky_device_error(exc):
             raise FatalEngineError(f"a CUDA error, after which no kernel runs: {exc}", outputs)
         if self.num_failed_steps >= MAX_FAILED_STEPS:
@@ -246,4 +238,6 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
+        self.kv_worker.shutdown()
         self.connector.shutdown()
+        self.executor.shutdown()

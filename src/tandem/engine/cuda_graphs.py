@@ -18,14 +18,14 @@ launch shapes cover every real context. The graph ends with the logits ([size, v
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from tandem.attention.base import AttentionMetadata
 from tandem.engine.kv_cache_manager import cdiv, slot_of
 from tandem.engine.outputs import ScheduledRequest
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.base import CausalLM
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:
@@ -39,7 +39,7 @@ def batch_size_ladder(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         max_batch: int,
         max_seq_len: int,
@@ -91,7 +91,7 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int) -> torch.Tensor:
-        hidden = self.model(
+        hidden = self.model.forward(
             self.input_ids[:size], self.positions[:size], self.kv_cache, self._metadata(size)
         )
         return self.model.compute_logits(hidden)
@@ -116,14 +116,8 @@ class DecodeGraphs:
         self.inputs[:num_bytes].copy_(self.staging[:num_bytes], non_blocking=True)
         self.staging_free.record()
 
-    def run(
-        self,
-        requests: Sequence[ScheduledRequest],
-        write_inputs: Callable[[torch.Tensor], None] | None = None,
-    ) -> torch.Tensor:
-        """Logits [len(requests), vocab] of a decode-only batch (one token per request);
-        write_inputs(input_ids) may change the uploaded token ids on the device before the
-        replay."""
+    def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Logits [len(requests), vocab] of a decode-only batch (one token per request)."""
         num_seqs = len(requests)
         size = next(s for s in self.sizes if s >= num_seqs)
         block_size = self.block_size
@@ -140,7 +134,5 @@ class DecodeGraphs:
         self.staged_seq_lens[num_seqs:size] = 1
         self.staged_block_tables[num_seqs:size, 0] = 0
         self._upload(size)
-        if write_inputs is not None:
-            write_inputs(self.input_ids)
         self.graphs[size].replay()
         return self.logits[size][:num_seqs]

@@ -1,18 +1,22 @@
-"""The plain dataclasses the scheduler, the model runner and the engine core exchange.
+"""The plain dataclasses the scheduler, the executor and the engine core exchange.
 
-The scheduler never sees a tensor and the runner never sees a `Request`: each step the scheduler
-says what to compute (`SchedulerOutput`), the runner says what it sampled (`RunnerOutput`), and the
-engine core reports per-request progress to its client (`EngineCoreOutput`).
+The scheduler never sees a tensor and the executor never sees a `Request`: each step the scheduler
+says what to compute (`SchedulerOutput`), the executor says what it sampled (`RunnerOutput`), and
+the engine core reports per-request progress to its client (`EngineCoreOutput`).
+
+Invariant: a `SchedulerOutput` is plain data (ids, token ids, positions, block tables, sampling
+parameters, structured outputs' allowed-token bitmasks): no `Request`, no grammar state, nothing
+live, so it round-trips through msgspec and an executor of several ranks can broadcast it. Its
+lists may be the scheduler's own (no copies), which nothing changes while the step runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.structured_output import GrammarMatcher
+from tandem.kv.connector.base import KVTransferParams
 
 
 @dataclass
@@ -24,13 +28,12 @@ class ScheduledRequest:
     sample: bool  # this step reaches the request's last token: sample the next one
     sampling_params: SamplingParams
     output_index: int  # index of the token to be sampled among the request's outputs
-    # The request's own lists (not copies), read by the sampler's penalties when it has any.
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
-    grammar: GrammarMatcher | None = None  # its structured output's state, if it has one
-    # A handoff's first token is still only on the prefill's GPU: token_ids holds a stand-in,
-    # which the connector replaces on the device (write_device_inputs) before the step runs.
-    first_token_on_device: bool = False
+    # The request's own lists (not copies), read by prompt logprobs and the sampler's penalties.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    # The tokens its structured output allows for this step's sample, or None for any token:
+    # int32 words in native byte order, token i at bit i % 32 of word i // 32.
+    grammar_bitmask: bytes | None = None
 
 
 @dataclass
@@ -70,9 +73,6 @@ class KVConnectorOutput:
     failed_recving: dict[str, str] = field(default_factory=dict)  # request id -> failure kind
     finished_sending: set[str] = field(default_factory=set)
     first_tokens: dict[str, HandedOffToken] = field(default_factory=dict)  # handoffs only
-    # Handoffs whose KV copy is queued and whose first token the decode's GPU can read from the
-    # prefill's (cuda-ipc, early announcements): they may run ahead of the announcement proper.
-    first_tokens_on_device: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -92,7 +92,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     # With a request's first output, when it asked for them: one entry per prompt token (None
     # for the first, which nothing predicts).

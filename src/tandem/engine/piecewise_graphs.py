@@ -46,7 +46,7 @@ import torch
 
 from tandem.attention.base import AttentionMetadata
 from tandem.engine.kv_cache_manager import cdiv
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 KEEP_BELOW = 0.9  # a size is kept when its graphs take at most this share of the eager time
@@ -68,7 +68,7 @@ def token_count_ladder(max_tokens: int) -> list[int]:
 class PiecewiseGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         max_tokens: int,
         block_size: int,
@@ -85,7 +85,7 @@ class PiecewiseGraphs:
         capacity = ladder[-1]
         self.num_layers = model.config.num_layers
         config, device = model.config, kv_cache.device
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.dtype
         # [input_ids | positions | slot_mapping], one row each
         self.token_inputs = torch.zeros(3, capacity, dtype=torch.int64, device=device)
         self.token_inputs[2] = -1
@@ -221,7 +221,7 @@ class PiecewiseGraphs:
 
         graphed = fastest(lambda: self.run(token_inputs, metadata, size))
         eager = fastest(
-            lambda: self.model(token_inputs[0], token_inputs[1], self.kv_cache, metadata)
+            lambda: self.model.forward(token_inputs[0], token_inputs[1], self.kv_cache, metadata)
         )
         return graphed, eager
 

@@ -1,5 +1,6 @@
 """The model runner: owns the KV cache tensor, turns a SchedulerOutput into tensors, runs the
-model, samples, and drives the KV connector's worker-side hooks around the forward pass.
+model (any `tandem.models.base.CausalLM`), samples, and drives the KV connector's worker-side
+hooks around the forward pass. The uniprocess executor calls it; the engine core never does.
 
 KV cache layout (one tensor for all layers, so a transfer can gather across layers in bulk):
 
@@ -19,9 +20,8 @@ from tandem.engine.input_staging import InputStaging
 from tandem.engine.kv_cache_manager import slot_of
 from tandem.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from tandem.engine.sampler import Sampler
-from tandem.kv.base import KVConnector
-from tandem.models.config import ModelConfig
-from tandem.models.llama import LlamaForCausalLM
+from tandem.kv.connector.base import KVConnectorWorker
+from tandem.models.base import CausalLM
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose logits are computed at once
@@ -29,12 +29,20 @@ PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose logits are computed at once
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """One rank's KV cache: its KV heads are the model's [kv_head_start, + num_kv_heads)."""
+
     num_blocks: int
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    kv_head_start: int = 0
+
+    @property
+    def kv_head_range(self) -> tuple[int, int]:
+        """(start, count) of this rank's KV heads among the model's (tensor parallelism)."""
+        return self.kv_head_start, self.num_kv_heads
 
     @property
     def bytes_per_token(self) -> int:
@@ -57,17 +65,18 @@ class KVCacheSpec:
         )
 
 
-def plan_kv_cache(
-    config: EngineConfig, model_config: ModelConfig, model: LlamaForCausalLM
-) -> KVCacheSpec:
-    """How many blocks: as asked, else from the memory asked, else from what the device has."""
+def plan_kv_cache(config: EngineConfig, model: CausalLM) -> KVCacheSpec:
+    """The model's KV layout in blocks; how many: as asked, else from the memory asked, else
+    from what the device has."""
+    layout = model.kv_cache_layout()
     spec = KVCacheSpec(
         0,
         config.block_size,
-        model_config.num_layers,
-        model_config.num_kv_heads,
-        model_config.head_dim,
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
         config.torch_dtype,
+        layout.kv_head_start,
     )
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -82,7 +91,7 @@ def plan_kv_cache(
     return replace(spec, num_blocks=num_blocks)
 
 
-def _profile_cuda_blocks(config: EngineConfig, model: LlamaForCausalLM, spec: KVCacheSpec) -> int:
+def _profile_cuda_blocks(config: EngineConfig, model: CausalLM, spec: KVCacheSpec) -> int:
     """Run the largest batch once (one sequence of max_num_batched_tokens tokens, in a scratch
     cache just big enough), then give the memory left under gpu_memory_utilization to the KV
     cache."""
@@ -97,7 +106,7 @@ def _profile_cuda_blocks(config: EngineConfig, model: LlamaForCausalLM, spec: KV
         torch.arange(num_blocks, dtype=torch.int32, device=device),
     )
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    hidden = model(ids, torch.arange(num_tokens, device=device), cache, metadata)
+    hidden = model.forward(ids, torch.arange(num_tokens, device=device), cache, metadata)
     model.compute_logits(hidden[-config.max_num_seqs :])
     del cache, hidden
     torch.cuda.synchronize(device)
@@ -109,11 +118,11 @@ def _profile_cuda_blocks(config: EngineConfig, model: LlamaForCausalLM, spec: KV
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_spec: KVCacheSpec,
         device: torch.device,
         sampler: Sampler,
-        connector: KVConnector,
+        connector: KVConnectorWorker,
         cuda_graph_max_batch: int = 0,
         max_seq_len: int = 0,
         piecewise_graph_max_tokens: int = 0,
@@ -226,13 +235,12 @@ class ModelRunner:
         graphs = self.piecewise_graphs
         padded_size = graphs.padded_size(num_tokens) if graphs is not None else None
         token_inputs, metadata, sample_rows = self.prepare(scheduler_output, padded_size)
-        self.connector.write_device_inputs(connector_meta, token_inputs[0])
         if padded_size is not None:
             between_layers = self.connector.saves_between_layers(connector_meta)
             hidden = graphs.run(token_inputs, metadata, num_tokens, after_layer, between_layers)
         else:
             input_ids, positions, _ = token_inputs[:, :num_tokens]
-            hidden = self.model(input_ids, positions, self.kv_cache, metadata, after_layer)
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, metadata, after_layer)
         return hidden, sample_rows
 
     def _prompt_logprobs(
@@ -265,11 +273,7 @@ class ModelRunner:
         output = RunnerOutput()
         if scheduler_output.requests:
             if self._graph_can_run(scheduler_output):
-
-                def write_inputs(input_ids: torch.Tensor) -> None:
-                    self.connector.write_device_inputs(connector_meta, input_ids)
-
-                logits = self.decode_graphs.run(scheduler_output.requests, write_inputs)
+                logits = self.decode_graphs.run(scheduler_output.requests)
             else:
                 hidden, sample_rows = self._forward(scheduler_output)
                 logits = None
@@ -281,11 +285,7 @@ class ModelRunner:
             self.connector.wait_for_save(connector_meta)
             to_sample = [r for r in scheduler_output.requests if r.sample]
             if to_sample:
-
-                def sampled_on_device(token_ids: torch.Tensor) -> None:
-                    self.connector.sampled_on_device(connector_meta, to_sample, token_ids)
-
-                token_ids, logprobs = self.sampler(logits, to_sample, sampled_on_device)
+                token_ids, logprobs = self.sampler(logits, to_sample)
                 for request, token_id, lp in zip(to_sample, token_ids, logprobs, strict=True):
                     output.sampled_token_ids[request.request_id] = token_id
                     if lp is not None:

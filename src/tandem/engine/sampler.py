@@ -1,13 +1,14 @@
 """Token sampling for one step's batch of logits.
 
 The logits first lose the tokens a request's structured output does not allow next (set to
--inf), then take each request's logit_bias and its penalties on the tokens it has seen
-(presence, frequency, repetition; see SamplingParams). Then greedy rows take the argmax. Other
-rows divide by the temperature, mask by top-k, top-p and min-p, and sample by an exponential
-race (argmax of probs / E with E ~ Exp(1)), which equals drawing from the categorical
-distribution. A seeded request draws its noise from a generator seeded by (seed, output index),
-so its token depends on nothing else in the batch, and a request continued elsewhere (PD decode)
-draws the same noise for the same output index.
+-inf, by the bitmask the scheduler computed: the sampler holds no grammar state), then take each
+request's logit_bias and its penalties on the tokens it has seen (presence, frequency,
+repetition; see SamplingParams). Then greedy rows take the argmax. Other rows divide by the
+temperature, mask by top-k, top-p and min-p, and sample by an exponential race (argmax of
+probs / E with E ~ Exp(1)), which equals drawing from the categorical distribution. A seeded
+request draws its noise from a generator seeded by (seed, output index), so its token depends on
+nothing else in the batch, and a request continued elsewhere (PD decode) draws the same noise
+for the same output index.
 
 Logprobs are those of the model's raw distribution (before bias, penalties, temperature and
 masks).
@@ -15,13 +16,13 @@ masks).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
 
 from tandem.engine.outputs import ScheduledRequest, TokenLogprobs
-from tandem.engine.structured_output import apply_grammar_masks, follow_sampled
+from tandem.engine.structured_output import apply_grammar_bitmasks
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -48,20 +49,16 @@ class Sampler:
         self,
         logits: torch.Tensor,
         requests: Sequence[ScheduledRequest],
-        on_device: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [N, vocab] float32, one row per request in `requests`. on_device gets the
-        sampled ids on the device ([N], int64) before the host waits for them."""
+        """logits: [N, vocab] float32, one row per request in `requests`."""
         num_rows = logits.shape[0]
         device = logits.device
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._suppress_early_stops(logits, requests)
-        has_grammar = any(r.grammar is not None for r in requests)
-        grammars = [r.grammar for r in requests] if has_grammar else None
-        if grammars is not None:
-            logits = apply_grammar_masks(logits, grammars)
+        if any(r.grammar_bitmask is not None for r in requests):
+            logits = apply_grammar_bitmasks(logits, [r.grammar_bitmask for r in requests])
         params = [r.sampling_params for r in requests]
         if any(p.logit_bias for p in params):
             logits = self._apply_logit_bias(logits, requests)
@@ -89,11 +86,7 @@ class Sampler:
             drawn = (probs / noise).argmax(dim=-1)
             sampled = torch.where(greedy, sampled, drawn)
 
-        if on_device is not None:
-            on_device(sampled)
         token_ids = sampled.tolist()
-        if grammars is not None:
-            follow_sampled(grammars, token_ids)
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
             rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]

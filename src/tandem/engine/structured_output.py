@@ -5,10 +5,14 @@ compiles the constraint to an llguidance grammar and checks it there, so a bad s
 the client's error. In the engine, `GrammarBackend` gives each such request a `GrammarMatcher`,
 which follows the tokens the request outputs (a PD decode worker's matcher starts by following
 the first token its prefill worker sampled) and, before each of its sampling steps, the set of
-tokens the grammar allows next; `apply_grammar_masks` turns the batch's sets into -inf logits. A
-request ends ("stop") as soon as its grammar is complete. A matcher may wait for a token (the end
-of a reasoning model's reasoning) before it holds anything: the outputs up to that token are
-free, and its grammar starts after it.
+tokens the grammar allows next. A request ends ("stop") as soon as its grammar is complete. A
+matcher may wait for a token (the end of a reasoning model's reasoning) before it holds anything:
+the outputs up to that token are free, and its grammar starts after it.
+
+The matchers stay with the scheduler: it computes the allowed tokens of each step's sampled rows
+as bitmasks (`grammar_bitmasks`), which travel in the `SchedulerOutput` as plain bytes; the
+sampler applies them (`apply_grammar_bitmasks`); the scheduler then advances the matchers over
+the sampled tokens (`follow_sampled`).
 
 The front end bounds what a constraint may cost before it compiles it (`check_constraint_size`):
 its text, and its counted repetitions (`a{1000000}` makes llguidance's lexer spend seconds per
@@ -25,6 +29,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -54,8 +59,9 @@ class StructuredOutput:
     # JSON without whitespace beyond ", " and ": " (vLLM's option of that name): a small model
     # let free may write whitespace until max_tokens.
     disable_any_whitespace: bool = False
-    # The llguidance grammar it compiles to (what the engine's matcher runs).
-    compiled: str = field(init=False, repr=False, compare=False)
+    # The llguidance grammar it compiles to (what the engine's matcher runs); given only where it
+    # was compiled and checked already (the engine process gets it with the request).
+    compiled: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -64,7 +70,8 @@ class StructuredOutput:
                 "structured outputs take exactly one of json, regex, choice, grammar or "
                 f"json_object; got {', '.join(given) or 'none'}"
             )
-        object.__setattr__(self, "compiled", self._compile(given[0]))
+        if self.compiled is None:
+            object.__setattr__(self, "compiled", self._compile(given[0]))
 
     def _compile(self, kind: str) -> str:
         import llguidance
@@ -175,8 +182,15 @@ def largest_repetition(text: str) -> int:
 class GrammarMatcher:
     """One request's grammar state: which tokens may come next, given the outputs so far."""
 
-    def __init__(self, matcher: Any, output_token_ids: list[int], after: int | None = None) -> None:
+    def __init__(
+        self,
+        matcher: Any,
+        vocab_size: int,
+        output_token_ids: list[int],
+        after: int | None = None,
+    ) -> None:
         self.matcher = matcher  # llguidance's LLMatcher
+        self.vocab_size = vocab_size  # the model's: the width of its bitmasks
         self._outputs = output_token_ids  # the request's own list, followed as it grows
         self._num_followed = 0
         self._after = after  # the token the grammar starts after, until it came
@@ -247,7 +261,7 @@ class GrammarBackend:
         matcher = llguidance.LLMatcher(
             self._tokenizer, spec.compiled, log_level=0, limits=parser_limits()
         )
-        return GrammarMatcher(matcher, output_token_ids, after)
+        return GrammarMatcher(matcher, self.vocab_size, output_token_ids, after)
 
 
 def tokenizer_json(tokenizer: Any) -> str | None:
@@ -266,40 +280,54 @@ def _mask_executor() -> Any:
     return llguidance.LLExecutor()
 
 
-def follow_sampled(grammars: Sequence[GrammarMatcher | None], token_ids: Sequence[int]) -> None:
-    """Advance each row's active grammar over the token just sampled for it, all rows at once
-    in llguidance's thread pool; the scheduler appends the tokens to the outputs next (a
-    waiting grammar sees them there). The grammars have followed the outputs so far
-    (`apply_grammar_masks`, earlier in the step)."""
-    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and grammar.active]
-    if not rows:
-        return
-    _mask_executor().consume_token_par([(grammars[row].matcher, token_ids[row]) for row in rows])
-    for row in rows:
-        grammars[row].count_sampled()
+def follow_sampled(grammars: Sequence[GrammarMatcher], token_ids: Sequence[int]) -> None:
+    """Advance each grammar over the token just sampled for it, all at once in llguidance's
+    thread pool; the scheduler appends the tokens to the outputs next. The grammars are those
+    that gave the step a bitmask (active, and followed the outputs so far)."""
+    pairs = zip(grammars, token_ids, strict=True)
+    if grammars:
+        _mask_executor().consume_token_par(
+            [(grammar.matcher, token_id) for grammar, token_id in pairs]
+        )
+    for grammar in grammars:
+        grammar.count_sampled()
 
 
-def apply_grammar_masks(
-    logits: torch.Tensor, grammars: Sequence[GrammarMatcher | None]
-) -> torch.Tensor:
-    """The logits [rows, vocab] with -inf for the tokens each row's grammar does not allow next
-    (rows without a grammar, or whose grammar waits, as they are). The masks are computed on
-    the host while the GPU may still be running the step's forward pass."""
+def grammar_bitmasks(grammars: Sequence[GrammarMatcher | None]) -> list[bytes | None]:
+    """Per row, the tokens its grammar allows next as a bitmask (`ScheduledRequest`'s layout),
+    or None for a row without a grammar or whose grammar waits. Each grammar first follows the
+    outputs so far. The scheduler's side: the masks of the batch are computed on the host, in
+    llguidance's thread pool."""
     for grammar in grammars:
         if grammar is not None:
             grammar.follow()
+    bitmasks: list[bytes | None] = [None] * len(grammars)
     rows = [row for row, grammar in enumerate(grammars) if grammar is not None and grammar.active]
+    if not rows:
+        return bitmasks
+    words = (grammars[rows[0]].vocab_size + 31) // 32
+    masks = np.empty((len(rows), words), dtype=np.int32)
+    _mask_executor().unsafe_compute_mask_ptr(
+        [(grammars[row].matcher, index) for index, row in enumerate(rows)],
+        masks.ctypes.data,
+        words * masks.itemsize,
+        len(rows),
+    )
+    for index, row in enumerate(rows):
+        bitmasks[row] = masks[index].tobytes()
+    return bitmasks
+
+
+def apply_grammar_bitmasks(logits: torch.Tensor, bitmasks: Sequence[bytes | None]) -> torch.Tensor:
+    """The logits [rows, vocab] with -inf for the tokens each row's bitmask does not allow
+    (rows without one as they are). The executor's side."""
+    rows = [row for row, bitmask in enumerate(bitmasks) if bitmask is not None]
     if not rows:
         return logits
     vocab = logits.shape[-1]
-    words = (vocab + 31) // 32  # token i: bit i % 32 of int32 word i // 32
-    masks = torch.empty((len(rows), words), dtype=torch.int32)
-    _mask_executor().unsafe_compute_mask_ptr(
-        [(grammars[row].matcher, index) for index, row in enumerate(rows)],
-        masks.data_ptr(),
-        words * masks.element_size(),
-        len(rows),
-    )
+    packed = bytearray(b"".join(bitmasks[row] for row in rows))
+    masks = torch.frombuffer(packed, dtype=torch.int32).view(len(rows), -1)
+    words = masks.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = (masks.to(logits.device)[:, :, None] >> shifts) & 1
     allowed = bits.view(len(rows), words * 32)[:, :vocab].bool()

@@ -4,8 +4,10 @@ its dequantized weights, so that a second start (and every worker after the firs
     <root>/gguf/<file stem>-<key>/
         config.json                   read_gguf_config's dict
         tokenizer/                    the fast tokenizer, as save_pretrained writes it
-        model.<dtype>.safetensors     the parameters of LlamaForCausalLM once loaded (q/k/v and
+        model.<dtype>.safetensors     the parameters of the decoder once loaded (q/k/v and
                                       gate/up packed, in the model's dtype), a tied weight once
+        model.<dtype>.tp<N>-rank<r>.safetensors    the same for rank r of a tensor-parallel
+                                      group of N: that rank's shard only
 
 root: $TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else ~/.cache/tandem. key: a hash of the
 cache's format version, the file's resolved path, size and modification time, and the versions of
@@ -51,7 +53,7 @@ from tandem.models import gguf_loader
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-    from tandem.models.llama import LlamaForCausalLM
+    from tandem.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ class GGUFCache:
             _write_tokenizer,
         )
 
-    def load_weights(self, model: LlamaForCausalLM, gguf_path: str | os.PathLike) -> None:
+    def load_weights(self, model: CausalLM, gguf_path: str | os.PathLike) -> None:
         """Fill `model`'s parameters with the GGUF file's weights, as
         `model.load_weights(iter_gguf_weights(gguf_path))` does. The cache holds the parameters
         themselves (packed, in the model's dtype): on the CPU they become views of the cached
@@ -127,6 +129,8 @@ class GGUFCache:
         shares its pages; on another device they are copied there."""
         params = dict(model.named_parameters())  # a tied weight once
         dtype_name = str(next(iter(params.values())).dtype).removeprefix("torch.")
+        tp = model.tp
+        shard = f".tp{tp.size}-rank{tp.rank}" if tp.size > 1 else ""
 
         def build() -> dict[str, torch.Tensor]:
             model.load_weights(gguf_loader.iter_gguf_weights(gguf_path))
@@ -140,7 +144,7 @@ class GGUFCache:
 
         state = self._get(
             gguf_path,
-            f"model.{dtype_name}.safetensors",
+            f"model.{dtype_name}{shard}.safetensors",
             "weights",
             lambda target: _map_parameters(target, params),
             build,

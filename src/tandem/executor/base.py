@@ -1,0 +1,74 @@
+"""The executor: what the engine core calls to run the model, "the workers that run the model".
+
+    executor = UniprocessExecutor(config, source)    loads the model on its rank(s)
+    kv_spec = executor.determine_kv_cache()           how many KV blocks fit (profiled on CUDA)
+    executor.initialize_kv_cache(kv_spec, connector, max_model_len)
+                                                      allocates the cache, captures CUDA graphs
+    executor.execute_model(scheduler_output) -> RunnerOutput      once per step
+    executor.check_health()                           raises ExecutorFailedError once a rank died
+    executor.shutdown()
+
+`make_executor` picks the executor: one rank in this process, or one process per rank
+(`MultiprocExecutor`, tensor parallelism).
+
+Invariants: the engine core talks to the model only through this interface; a step's input is a
+`SchedulerOutput` (plain data, so an executor of several ranks can broadcast it) and its output a
+`RunnerOutput` (plain data, rank 0's); the executor holds no scheduling state.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.outputs import RunnerOutput, SchedulerOutput
+    from tandem.engine.runner import KVCacheSpec
+    from tandem.kv.connector.base import KVConnectorWorker
+    from tandem.models.loader import ModelSource
+
+
+class ExecutorFailedError(RuntimeError):
+    """The executor cannot run another step (a rank died): the engine ends."""
+
+
+class Executor(abc.ABC):
+    @abc.abstractmethod
+    def determine_kv_cache(self) -> KVCacheSpec:
+        """The KV cache every rank allocates: its layout and how many blocks fit."""
+
+    @abc.abstractmethod
+    def initialize_kv_cache(
+        self, kv_spec: KVCacheSpec, connector: KVConnectorWorker, max_model_len: int
+    ) -> None:
+        """Allocate the KV cache, register it with the connector's worker side, and make ready
+        to run batches of sequences up to max_model_len tokens (CUDA graphs)."""
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step: the forward pass of the scheduled tokens and their samples."""
+
+    def check_health(self) -> None:  # noqa: B027 (one rank in this process cannot fail alone)
+        """Raise ExecutorFailedError when the executor cannot run another step."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release the ranks and what they hold."""
+
+
+def make_executor(config: EngineConfig, source: ModelSource, kv_transfer: bool) -> Executor:
+    """The executor of `config.tensor_parallel_size` ranks; kv_transfer: the engine has a KV
+    connector (a PD role), which tensor parallelism does not take yet."""
+    if config.tensor_parallel_size == 1:
+        from tandem.executor.uniprocess import UniprocessExecutor
+
+        return UniprocessExecutor(config, source)
+    if kv_transfer:
+        raise ValueError(
+            "tensor parallelism does not work with KV transfer (roles prefill, decode and pd) "
+            "yet: run those roles with --tensor-parallel-size 1"
+        )
+    from tandem.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config, source)

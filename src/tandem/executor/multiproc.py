@@ -1,0 +1,241 @@
+"""The executor of a tensor-parallel engine: one process per rank, rank 0 in the engine core's
+own process (next to the scheduler), ranks 1.. in processes of their own (`rank_worker`).
+
+    engine core process                                   rank r process (r >= 1)
+    scheduler -> SchedulerOutput -> msgpack --ZeroMQ PUSH--> decode -> same forward on shard r
+                 rank 0: forward on shard 0                  (collectives pair up, gloo / NCCL)
+                 logits gathered on rank 0 -> sample -> RunnerOutput
+
+Why ZeroMQ for the step's input, not a torch.distributed broadcast: the engine already speaks
+msgpack over ZeroMQ ipc sockets; a send does not wait for the other ranks (rank 0 starts its own
+forward at once, they start theirs as the message lands: their first collective syncs them); it
+needs no second, CPU-side process group next to NCCL's; and a dead rank cannot block it.
+
+Failures: a rank that fails to start fails the engine's start with its error. A monitor thread
+waits on the rank processes; when one exits, the executor has failed (`check_health` raises
+`ExecutorFailedError`, which ends the engine, idle or mid-step: gloo's pending collective raises
+at once, NCCL's is aborted). Shutdown stops every rank (Shutdown, then SIGTERM, then SIGKILL),
+and the ranks die with the engine core in any case (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import replace
+
+import msgspec
+import zmq
+
+from tandem.distributed.group import TensorParallelGroup, host_store, join_group
+from tandem.distributed.sharding import check_tensor_parallel
+from tandem.engine.config import EngineConfig
+from tandem.engine.outputs import RunnerOutput, SchedulerOutput
+from tandem.engine.runner import KVCacheSpec
+from tandem.executor.base import Executor, ExecutorFailedError
+from tandem.executor.rank import (
+    REPLY_DECODER,
+    ExecuteModel,
+    InitializeKVCache,
+    PlanKVCache,
+    Rank,
+    RankMessage,
+    RankReply,
+    Shutdown,
+    rank_device,
+)
+from tandem.kv.connector.base import KVConnectorWorker
+from tandem.models.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+REPLY_POLL_MS = 100  # while waiting on the ranks: how often to look whether one died
+STOP_TIMEOUT_S = 5.0  # a rank told to stop gets this long, then SIGTERM, then SIGKILL
+DEATH_GRACE_S = 1.0  # a step that raised: how long to wait for a rank's exit to show
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        size = config.tensor_parallel_size
+        check_tensor_parallel(source.config, size)
+        self.size = size
+        self.stopping = False
+        self.encoder = msgspec.msgpack.Encoder()
+        self.directory = tempfile.mkdtemp(prefix="tandem-tp-")
+        self.context = zmq.Context()
+        self.replies = self.context.socket(zmq.PULL)
+        reply_address = f"ipc://{self.directory}/replies"
+        self.replies.bind(reply_address)
+        self.inputs: list[zmq.Socket] = []
+        self.processes: list[subprocess.Popen] = []
+        store, address = host_store(size)
+        self.store = store  # the other ranks rendezvous on it as long as the group lives
+        for rank in range(1, size):
+            socket = self.context.socket(zmq.PUSH)
+            input_address = f"ipc://{self.directory}/rank{rank}"
+            socket.bind(input_address)
+            self.inputs.append(socket)
+            arguments = (config, source, rank, address, input_address, reply_address)
+            self.processes.append(start_rank(arguments))
+        self.monitor = RankMonitor(self.processes)
+        # An executor dropped without shutdown() still stops its ranks.
+        self._finalizer = weakref.finalize(
+            self, stop_ranks, self.monitor, self.processes, self.context, self.directory
+        )
+        try:
+            self._wait_replies("start")
+            self.tp = join_group(0, size, address, rank_device(config, 0), store)
+            self.monitor.tp = self.tp
+            self.rank = Rank(config, source, self.tp)
+            self._wait_replies("load its shard of the model")
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallelism: %d ranks (pids %s)", size,
+                    [os.getpid()] + [p.pid for p in self.processes])  # fmt: skip
+
+    def determine_kv_cache(self) -> KVCacheSpec:
+        self._send(PlanKVCache())
+        spec = self.rank.plan_kv_cache()
+        replies = self._wait_replies("size its KV cache")
+        num_blocks = min([spec.num_blocks] + [reply.num_blocks for reply in replies])
+        return replace(spec, num_blocks=num_blocks)
+
+    def initialize_kv_cache(
+        self, kv_spec: KVCacheSpec, connector: KVConnectorWorker, max_model_len: int
+    ) -> None:
+        self._send(InitializeKVCache(kv_spec.num_blocks, max_model_len))
+        self.rank.initialize_kv_cache(kv_spec.num_blocks, connector, max_model_len)
+        self._wait_replies("allocate its KV cache")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self.check_health()
+        self._send(ExecuteModel(scheduler_output))
+        try:
+            return self.rank.runner.execute(scheduler_output)
+        except Exception as exc:
+            deadline = time.monotonic() + DEATH_GRACE_S
+            while self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # a collective that raised: did a rank die?
+            self.check_health(exc)
+            raise
+
+    @property
+    def failure(self) -> str | None:
+        return self.monitor.failure
+
+    def check_health(self, cause: BaseException | None = None) -> None:
+        if self.failure is not None:
+            raise ExecutorFailedError(self.failure) from cause
+
+    def shutdown(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        self.monitor.stop()
+        for socket in self.inputs:
+            try:
+                socket.send(self.encoder.encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # that rank is gone already
+        self._finalizer()
+        self.rank = None  # the KV cache goes with it
+
+    def _send(self, message: RankMessage) -> None:
+        payload = self.encoder.encode(message)
+        for socket in self.inputs:
+            socket.send(payload, copy=False)
+
+    def _wait_replies(self, what: str) -> list[RankReply]:
+        """Every other rank's reply to the stage `what`; a rank's error, or a rank's death,
+        raises."""
+        replies: dict[int, RankReply] = {}
+        while len(replies) < self.size - 1:
+            self.check_health()
+            if not self.replies.poll(REPLY_POLL_MS):
+                continue
+            reply = REPLY_DECODER.decode(self.replies.recv())
+            if reply.error is not None:
+                raise RuntimeError(
+                    f"tensor-parallel rank {reply.rank} could not {what}: {reply.error}"
+                )
+            replies[reply.rank] = reply
+        return list(replies.values())
+
+
+def start_rank(arguments: tuple) -> subprocess.Popen:
+    """A rank's process: `python -m tandem.executor.rank_worker`, its arguments pickled on its
+    stdin. Not a multiprocessing child: a worker's engine core is a daemonic process, which
+    multiprocessing does not let have children."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tandem.executor.rank_worker"], stdin=subprocess.PIPE, env=env
+    )
+    process.stdin.write(pickle.dumps((*arguments, os.getpid())))
+    process.stdin.close()
+    return process
+
+
+class RankMonitor:
+    """A thread per rank process, waiting for it to exit: the first to exit, unless stopped
+    first, sets `failure` and aborts the group's pending NCCL collectives."""
+
+    def __init__(self, processes: list[subprocess.Popen]) -> None:
+        self.failure: str | None = None
+        self.tp: TensorParallelGroup | None = None  # once joined
+        self.stopped = False
+        for rank, process in enumerate(processes, start=1):
+            threading.Thread(
+                target=self._watch, args=(rank, process), name=f"tp-rank{rank}-monitor",
+                daemon=True,
+            ).start()  # fmt: skip
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def _watch(self, rank: int, process: subprocess.Popen) -> None:
+        code = process.wait()
+        if self.stopped or self.failure is not None:
+            return
+        self.failure = (
+            f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code}: the "
+            "engine cannot go on"
+        )
+        logger.critical("%s", self.failure)
+        tp = self.tp
+        if tp is not None and tp.uses_nccl:
+            tp.abort()  # NCCL would wait on the dead rank: fail what is pending
+
+
+def stop_ranks(
+    monitor: RankMonitor,
+    processes: list[subprocess.Popen],
+    context: zmq.Context,
+    directory: str,
+) -> None:
+    """Wait for the ranks to stop (they were told to), else SIGTERM, else SIGKILL; then free
+    the sockets and their directory."""
+    monitor.stop()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(STOP_TIMEOUT_S)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    context.destroy(linger=0)
+    shutil.rmtree(directory, ignore_errors=True)

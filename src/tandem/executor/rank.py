@@ -1,0 +1,126 @@
+"""One rank of a tensor-parallel executor (`Rank`: its shard of the model, its KV cache and its
+runner, in whichever process runs it), and the messages rank 0 sends the other ranks.
+
+    rank 0 -> rank r:  PlanKVCache | InitializeKVCache | ExecuteModel | Shutdown   (msgpack)
+    rank r -> rank 0:  RankReply (started, loaded, planned, initialized; or the error)
+
+Invariants: every rank runs the same calls in the same order (each forward's collectives pair
+up across ranks); only rank 0 samples: the other ranks' runners take `NoSampling`, which
+stands in for the sampler and whose results nobody reads. CUDA graphs are off at more than one
+rank (capture across ranks is not ready): every step runs eagerly, the Triton kernels per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import msgspec
+import torch
+
+from tandem.attention.base import get_backend
+from tandem.distributed.group import TensorParallelGroup
+from tandem.engine.config import EngineConfig
+from tandem.engine.outputs import ScheduledRequest, SchedulerOutput, TokenLogprobs
+from tandem.engine.runner import KVCacheSpec, ModelRunner, plan_kv_cache
+from tandem.engine.sampler import Sampler
+from tandem.kv.connector.base import KVConnectorWorker
+from tandem.models.loader import ModelSource, load_model
+
+
+class PlanKVCache(msgspec.Struct, tag=True):
+    """Size this rank's KV cache (on CUDA, profiled: a forward pass on every rank)."""
+
+
+class InitializeKVCache(msgspec.Struct, tag=True):
+    num_blocks: int  # the fewest any rank has room for
+    max_model_len: int
+
+
+class ExecuteModel(msgspec.Struct, tag=True):
+    scheduler_output: SchedulerOutput
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+RankMessage = PlanKVCache | InitializeKVCache | ExecuteModel | Shutdown
+MESSAGE_DECODER = msgspec.msgpack.Decoder(RankMessage)
+
+
+class RankReply(msgspec.Struct):
+    rank: int
+    num_blocks: int = 0  # PlanKVCache's answer
+    error: str | None = None  # what went wrong, as a sentence
+
+
+REPLY_DECODER = msgspec.msgpack.Decoder(RankReply)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: the CPU, or the r-th GPU from the configured one."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+class NoSampling:
+    """A rank other than 0 computes no logits (they are gathered on rank 0): its runner's
+    sampler does nothing and answers placeholders that nobody reads."""
+
+    def __call__(
+        self, logits: None, requests: Sequence[ScheduledRequest]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        return [0] * len(requests), [None] * len(requests)
+
+    @staticmethod
+    def logprobs_of(logits: None, token_ids: Sequence[int], count: int) -> list[TokenLogprobs]:
+        return []
+
+
+class Rank:
+    """This rank's shard of the model (loaded when made), then its KV cache and runner."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, tp: TensorParallelGroup) -> None:
+        self.device = rank_device(config, tp.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.config = replace(config, device=str(self.device))
+        self.source = source
+        self.tp = tp
+        self.model = load_model(
+            source,
+            get_backend(config.attention_backend),
+            config.torch_dtype,
+            self.device,
+            config.load_format,
+            config.seed,
+            tp,
+        )
+        self.kv_spec: KVCacheSpec | None = None
+        self.runner: ModelRunner | None = None
+
+    def plan_kv_cache(self) -> KVCacheSpec:
+        self.kv_spec = plan_kv_cache(self.config, self.model)
+        return self.kv_spec
+
+    def initialize_kv_cache(
+        self, num_blocks: int, connector: KVConnectorWorker, max_model_len: int
+    ) -> None:
+        sampler = (
+            Sampler(self.source.config.eos_token_ids, self.config.seed)
+            if self.tp.is_first
+            else NoSampling()
+        )
+        self.runner = ModelRunner(
+            self.model,
+            replace(self.kv_spec, num_blocks=num_blocks),
+            self.device,
+            sampler,
+            connector,
+            cuda_graph_max_batch=0,
+            max_seq_len=max_model_len,
+            piecewise_graph_max_tokens=0,
+        )

@@ -1,0 +1,119 @@
+"""The process of a tensor-parallel rank other than 0: joins the group, loads its shard, then
+runs what rank 0 sends it until told to stop.
+
+    started -> join the group -> load the shard -> loaded -> { PlanKVCache | InitializeKVCache
+                                                               | ExecuteModel }* -> Shutdown
+
+Each stage that rank 0 waits for gets a `RankReply` (an error as a sentence: rank 0 then fails
+the engine's start with it). A step that raises here raises on rank 0 too (the same batch, the
+same code): it is logged and the loop goes on, as rank 0's engine does. The process dies with
+its parent (the engine core), and ignores SIGINT: the engine core decides when it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import sys
+import traceback
+
+import msgspec
+import torch
+import zmq
+
+from tandem.distributed.group import StoreAddress, join_group
+from tandem.engine.config import EngineConfig
+from tandem.executor.rank import (
+    MESSAGE_DECODER,
+    ExecuteModel,
+    InitializeKVCache,
+    PlanKVCache,
+    Rank,
+    RankReply,
+    Shutdown,
+    rank_device,
+)
+from tandem.kv.connector.base import NoKVConnectorWorker
+from tandem.lifetime import die_with_parent
+from tandem.models.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+def run_rank(
+    config: EngineConfig,
+    source: ModelSource,
+    rank: int,
+    store_address: StoreAddress,
+    input_address: str,
+    reply_address: str,
+    parent_pid: int,
+) -> None:
+    """Process entry point of rank `rank` (1 or more)."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s",
+    )
+    size = config.tensor_parallel_size
+    if rank_device(config, rank).type == "cpu":  # the ranks share the host's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    replies = context.socket(zmq.PUSH)
+    replies.connect(reply_address)
+    encoder = msgspec.msgpack.Encoder()
+
+    def reply(**fields) -> None:
+        replies.send(encoder.encode(RankReply(rank, **fields)))
+
+    try:
+        reply()  # started: joining the group
+        tp = join_group(rank, size, store_address, rank_device(config, rank))
+        model_rank = Rank(config, source, tp)
+    except Exception as exc:
+        logger.error("rank %d failed to start:\n%s", rank, traceback.format_exc())
+        reply(error=f"{type(exc).__name__}: {exc}")
+        context.destroy(linger=1000)
+        return
+    reply()  # loaded
+    try:
+        serve(inputs, model_rank, reply)
+    finally:
+        context.destroy(linger=0)
+
+
+def serve(inputs: zmq.Socket, model_rank: Rank, reply) -> None:
+    while True:
+        message = MESSAGE_DECODER.decode(inputs.recv())
+        match message:
+            case ExecuteModel(scheduler_output):
+                try:
+                    model_rank.runner.execute(scheduler_output)
+                except Exception:  # rank 0's step raised alike: its requests fail there
+                    logger.error("a step failed:\n%s", traceback.format_exc())
+            case PlanKVCache():
+                try:
+                    reply(num_blocks=model_rank.plan_kv_cache().num_blocks)
+                except Exception as exc:
+                    reply(error=f"{type(exc).__name__}: {exc}")
+            case InitializeKVCache(num_blocks, max_model_len):
+                try:
+                    model_rank.initialize_kv_cache(num_blocks, NoKVConnectorWorker(), max_model_len)
+                    reply()
+                except Exception as exc:
+                    reply(error=f"{type(exc).__name__}: {exc}")
+            case Shutdown():
+                return
+
+
+def main() -> None:
+    """`python -m tandem.executor.rank_worker`, run_rank's arguments pickled on stdin."""
+    run_rank(*pickle.load(sys.stdin.buffer))
+
+
+if __name__ == "__main__":
+    main()

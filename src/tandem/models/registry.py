@@ -1,0 +1,54 @@
+"""Model classes by architecture name, as a Hugging Face config's `architectures` names them.
+
+    architecture_of(hf_config) -> "Qwen3ForCausalLM"     the first listed that tandem implements
+    model_class("Qwen3ForCausalLM") -> the class         its module imported only now
+
+A config without `architectures` (tandem's shipped configs) is named by its model_type. An
+architecture tandem does not implement is a ValueError naming the ones it does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tandem.models.base import CausalLM
+
+# architecture -> (module, class): every Llama-family decoder is one class (see models/llama.py)
+MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("tandem.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("tandem.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("tandem.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("tandem.models.llama", "LlamaForCausalLM"),
+}
+# model_type -> architecture, for configs that name no architecture
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def unsupported(names: list[str]) -> ValueError:
+    return ValueError(
+        f"architecture {', '.join(names)} is not supported; tandem runs {', '.join(MODELS)}"
+    )
+
+
+def architecture_of(hf_config: dict[str, Any]) -> str:
+    listed = hf_config.get("architectures") or []
+    if not listed:
+        model_type = hf_config.get("model_type", "llama")
+        listed = [ARCHITECTURE_OF_MODEL_TYPE.get(model_type, f"a {model_type!r} model")]
+    for architecture in listed:
+        if architecture in MODELS:
+            return architecture
+    raise unsupported(listed)
+
+
+def model_class(architecture: str) -> type[CausalLM]:
+    if architecture not in MODELS:
+        raise unsupported([architecture])
+    module, name = MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,423 @@
+"""Tensor parallelism on the CPU (gloo), against independent references.
+
+* The split rules: which sizes a model takes, which KV heads each rank holds (replicas when
+  fewer KV heads than ranks), and a size that cannot work refused at start in one sentence.
+* The parallel layers over three ranks (threads of one process, a real gloo group) against
+  torch's own linear and embedding on the whole weights, the vocabulary padded.
+* Each rank's shard, loaded from lazy safetensors slices, against the checkpoint's tensors.
+* Whole engines at TP=2 on tiny random checkpoints (Llama with GQA; Qwen3 with q/k norms and
+  one KV head, replicated): greedy output identical to transformers' generate and to TP=1 for 16
+  prompts (chunked prefill, prefix-cache hits), seeded and unseeded sampling and logprobs
+  identical to TP=1; a GGUF model through the per-rank cache; the HTTP worker
+  (`tandem worker --tensor-parallel-size 2`) identical to TP=1 over the OpenAI API.
+* Failures: a rank that dies ends the engine with a sentence naming it, and the worker exits;
+  shutdown leaves no rank process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import LLM, SamplingParams
+from tandem.attention.base import get_backend
+from tandem.distributed.group import TensorParallelGroup, host_store, join_group
+from tandem.distributed.sharding import check_tensor_parallel, kv_head_range
+from tandem.engine.config import EngineConfig
+from tandem.engine.core import EngineCore, FatalEngineError
+from tandem.executor.base import ExecutorFailedError, make_executor
+from tandem.models.config import ModelConfig
+from tandem.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tandem.models.loader import iter_safetensors, load_model, resolve_model
+from tandem.server.main import ENGINE_DIED_EXIT_CODE
+from tiny_gguf import write_tiny_llama_gguf
+from worker_fixtures import running_worker, start_worker
+
+SHAPES = ["llama-gqa", "qwen3-qknorm"]  # 4 heads over 2 KV heads; 4 heads over 1 KV head
+NEW_TOKENS = 12
+
+
+def make_prompts() -> list[list[int]]:
+    """16 prompts of 1 to 120 tokens, some sharing prefixes (prefix-cache hits)."""
+    generator = torch.Generator().manual_seed(33)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(1, 512, (n,), generator=generator).tolist()
+
+    shared = rand(48)
+    prompts = [rand(n) for n in (1, 3, 8, 16, 17, 31, 64, 120)]
+    prompts += [shared[:20] + rand(5), shared + rand(9), shared + rand(1), shared[:33]]
+    prompts += [shared + rand(30), shared[:40], shared, list(prompts[5])]
+    return prompts
+
+
+PROMPTS = make_prompts()
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+ENGINE = dict(num_kv_blocks=512, block_size=8, max_num_batched_tokens=96)  # chunked prefill
+
+
+def rank_pids(executor) -> list[int]:
+    return [process.pid for process in executor.processes]
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(FileNotFoundError):  # a zombie has exited
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    return False
+
+
+def shut_down(llm: LLM) -> None:
+    """Shut the engine down; every rank process must be gone."""
+    pids = rank_pids(llm.core.executor)
+    llm.core.shutdown()
+    assert not [pid for pid in pids if is_running(pid)]
+
+
+# --- the split rules --------------------------------------------------------------------------
+
+
+def model_config(heads: int, kv_heads: int, intermediate: int = 64) -> ModelConfig:
+    return ModelConfig.from_hf(
+        dict(
+            vocab_size=64, hidden_size=heads * 8, intermediate_size=intermediate,
+            num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        )
+    )  # fmt: skip
+
+
+def test_kv_heads_are_split_or_replicated():
+    assert [kv_head_range(8, rank, 4) for rank in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [kv_head_range(2, rank, 4) for rank in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [kv_head_range(1, rank, 2) for rank in range(2)] == [(0, 1), (0, 1)]
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, intermediate, size, message",
+    [
+        (6, 2, 64, 4, "does not divide the model's 6 attention heads"),
+        (6, 2, 64, 3, "neither divides the model's 2 KV heads nor is a multiple of them"),
+        (4, 4, 30, 4, "does not divide the model's MLP size 30"),
+    ],
+)
+def test_a_model_that_cannot_be_split_is_refused(heads, kv_heads, intermediate, size, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_tensor_parallel(model_config(heads, kv_heads, intermediate), size)
+    check_tensor_parallel(model_config(heads, kv_heads, intermediate), 2)  # 2 works
+
+
+def test_the_engine_refuses_such_a_size_before_starting_ranks(tiny_checkpoints):
+    threads_before = threading.active_count()
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        EngineCore(EngineConfig(model=str(tiny_checkpoints["llama-gqa"]), tensor_parallel_size=3))
+    assert threading.active_count() == threads_before  # no rank monitor: no rank was started
+
+
+def test_kv_transfer_is_refused_as_not_yet_supported(tiny_checkpoints):
+    config = EngineConfig(model=str(tiny_checkpoints["llama-gqa"]), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="does not work with KV transfer .* yet"):
+        make_executor(config.resolved(), resolve_model(config.model), kv_transfer=True)
+
+
+# --- the parallel layers over a real gloo group -----------------------------------------------
+
+
+def run_ranks(size: int, work):
+    """work(group) on `size` ranks (threads, one gloo group); the results by rank."""
+    store, address = host_store(size)
+    results: list = [None] * size
+    errors: list[BaseException] = []
+
+    def one(rank: int) -> None:
+        try:
+            group = join_group(
+                rank, size, address, torch.device("cpu"), store if rank == 0 else None
+            )
+            results[rank] = work(group)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results
+
+
+def test_parallel_layers_equal_the_whole_layers():
+    size, hidden, out, vocab, tokens = 3, 8, 12, 10, 5  # vocabulary rows per rank: 4, 4, 2 + 2
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    column_w, row_w, row_b = rand(out, hidden), rand(hidden, out), rand(hidden)
+    embedding, x, wide_x = rand(vocab, hidden), rand(tokens, hidden), rand(tokens, out)
+    ids = torch.tensor([0, 3, 4, 8, 9])
+
+    @torch.no_grad()  # loading and running; no_grad holds per thread
+    def work(tp: TensorParallelGroup):
+        column = ColumnParallelLinear.even(hidden, out, tp=tp)
+        column.weight_loader(column.weight, column_w)
+        row = RowParallelLinear(out, hidden, bias=True, tp=tp)
+        row.weight_loader(row.weight, row_w)
+        row.weight_loader(row.bias, row_b)
+        embed = VocabParallelEmbedding(vocab, hidden, tp)
+        embed.weight_loader(embed.weight, embedding)
+        head = ParallelLMHead(hidden, vocab, tp=tp)
+        head.weight_loader(head.weight, embedding)
+        columns = slice(tp.rank * 4, tp.rank * 4 + 4)
+        return column(x), row(wide_x[:, columns]), embed(ids), head.compute(x), head.weight
+
+    results = run_ranks(size, work)
+    for rank, (column_y, row_y, embedded, logits, head_weight) in enumerate(results):
+        torch.testing.assert_close(column_y, F.linear(x, column_w)[:, rank * 4 : rank * 4 + 4])
+        torch.testing.assert_close(row_y, F.linear(wide_x, row_w, row_b))
+        torch.testing.assert_close(embedded, F.embedding(ids, embedding))
+        if rank == 0:
+            torch.testing.assert_close(logits, F.linear(x, embedding))
+        else:
+            assert logits is None
+        assert head_weight.shape == (4, hidden)
+    assert torch.equal(results[2][4][2:], torch.zeros(2, hidden))  # the padding rows
+
+
+def test_qkv_rows_follow_the_heads():
+    """6 query heads over 3 ranks, 1 KV head replicated: rank r holds q heads 2r, 2r+1."""
+    head_dim, hidden = 2, 4
+    q, kv = torch.arange(6 * head_dim * hidden).float().view(12, hidden), torch.ones(2, hidden)
+    for rank in range(3):
+        tp = TensorParallelGroup(rank, 3)
+        qkv = QKVParallelLinear(hidden, head_dim, 6, 1, tp=tp)
+        with torch.no_grad():
+            for shard, tensor in enumerate((q, kv, 2 * kv)):
+                qkv.weight_loader(qkv.weight, tensor, shard)
+        expected = torch.cat([q[4 * rank : 4 * rank + 4], kv, 2 * kv])
+        assert torch.equal(qkv.weight, expected)
+        assert (qkv.num_heads, qkv.num_kv_heads, qkv.kv_heads) == (2, 1, (0, 1))
+
+
+# --- each rank's shard of a checkpoint --------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rank_shards_are_the_checkpoints_slices(shape, tiny_checkpoints):
+    """Rank 1 of 2 built and loaded alone (loading needs no collective), against the tensors of
+    the checkpoint read whole."""
+    source = resolve_model(str(tiny_checkpoints[shape]))
+    config = source.config
+    whole = {name: tensor[:] for name, tensor in iter_safetensors(source.path)}
+    backend = get_backend("torch")
+    model = load_model(
+        source, backend, torch.float32, torch.device("cpu"), tp=TensorParallelGroup(1, 2)
+    )
+    d = config.head_dim
+    kv_start = 1 if config.num_kv_heads == 2 else 0  # one KV head: rank 1 holds a replica
+    layout = model.kv_cache_layout()
+    assert (layout.kv_head_start, layout.num_kv_heads) == (kv_start, 1)
+    layer = "model.layers.1"
+    params = dict(model.named_parameters())
+    expected_qkv = torch.cat(
+        [
+            whole[f"{layer}.self_attn.q_proj.weight"][2 * d : 4 * d],
+            whole[f"{layer}.self_attn.k_proj.weight"][kv_start * d : (kv_start + 1) * d],
+            whole[f"{layer}.self_attn.v_proj.weight"][kv_start * d : (kv_start + 1) * d],
+        ]
+    )
+    assert torch.equal(params[f"{layer}.self_attn.qkv_proj.weight"], expected_qkv)
+    o_proj = whole[f"{layer}.self_attn.o_proj.weight"]
+    assert torch.equal(params[f"{layer}.self_attn.o_proj.weight"], o_proj[:, 2 * d :])
+    half = config.intermediate_size // 2
+    gate_up = torch.cat(
+        [whole[f"{layer}.mlp.{name}_proj.weight"][half:] for name in ("gate", "up")]
+    )
+    assert torch.equal(params[f"{layer}.mlp.gate_up_proj.weight"], gate_up)
+    embed = whole["model.embed_tokens.weight"]
+    assert torch.equal(params["model.embed_tokens.weight"], embed[config.vocab_size // 2 :])
+    if shape == "qwen3-qknorm":
+        q_norm = whole[f"{layer}.self_attn.q_norm.weight"]
+        assert torch.equal(params[f"{layer}.self_attn.q_norm.weight"], q_norm)  # replicated
+
+
+# --- whole engines ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoints):
+    """shape -> transformers' greedy continuation of every prompt."""
+    from transformers import AutoModelForCausalLM
+
+    result = {}
+    for shape in SHAPES:
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[shape], dtype=torch.float32)
+        result[shape] = []
+        for prompt in PROMPTS:
+            generated = model.eval().generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )
+            result[shape].append(generated[0, len(prompt) :].tolist())
+    return result
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoints):
+    """shape -> (TP=1 engine, TP=2 engine), the same settings."""
+    result = {}
+    for shape in SHAPES:
+        model = str(tiny_checkpoints[shape])
+        result[shape] = (LLM(model, **ENGINE), LLM(model, **ENGINE, tensor_parallel_size=2))
+    yield result
+    for _, tp2 in result.values():
+        shut_down(tp2)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_matches_transformers_and_tp1(shape, engines, references):
+    tp1, tp2 = engines[shape]
+    assert tp2.core.kv_spec.kv_head_range == (0, 1)  # rank 0's: its one KV head
+    assert tp1.core.kv_spec.kv_head_range == (0, tp1.core.model_config.num_kv_heads)
+    got = token_ids(tp2.generate(PROMPTS, GREEDY))
+    for index, (tokens, expected) in enumerate(zip(got, references[shape], strict=True)):
+        assert tokens == expected, f"prompt {index} diverged from transformers"
+    assert got == token_ids(tp1.generate(PROMPTS, GREEDY))
+    kv = tp2.core.kv_manager
+    assert kv.num_prefix_hits > 0 and kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sampling_and_logprobs_match_tp1(shape, engines):
+    """Seeded requests, requests drawn from the engine's seeded generator, logprobs and prompt
+    logprobs: the same at TP=2 as at TP=1 (logprobs within float32 tolerance)."""
+    params = (
+        [
+            SamplingParams(temperature=0.9, top_p=0.9, seed=index, max_tokens=NEW_TOKENS)
+            for index in range(8)
+        ]
+        + [
+            SamplingParams(temperature=1.0, top_k=50, max_tokens=NEW_TOKENS, logprobs=3)
+            for _ in range(7)
+        ]
+        + [SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2)]
+    )
+    tp1, tp2 = engines[shape]
+    expected = tp1.generate(PROMPTS, params)
+    got = tp2.generate(PROMPTS, params)
+    assert token_ids(got) == token_ids(expected)
+    for mine, theirs in zip(got, expected, strict=True):
+        mine_logprobs, their_logprobs = mine.outputs[0].logprobs, theirs.outputs[0].logprobs
+        assert (mine_logprobs is None) == (their_logprobs is None)
+        for a, b in zip(mine_logprobs or [], their_logprobs or [], strict=True):
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    last_mine, last_theirs = got[-1].prompt_logprobs, expected[-1].prompt_logprobs
+    assert len(last_mine) == len(PROMPTS[-1])
+    for a, b in zip(last_mine[1:], last_theirs[1:], strict=True):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_a_gguf_model_loads_per_rank_through_the_cache(tmp_path, monkeypatch):
+    """The tiny GGUF Llama (quantized, tied embeddings): TP=2 greedy equals TP=1, and each rank
+    caches its own parameters."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    prompts = [prompt[:40] for prompt in PROMPTS[:6]]
+    prompts = [[min(token, 250) for token in prompt] for prompt in prompts]
+    tp1 = LLM(str(path), num_kv_blocks=64)
+    expected = token_ids(tp1.generate(prompts, GREEDY))
+    tp2 = LLM(str(path), num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        assert token_ids(tp2.generate(prompts, GREEDY)) == expected
+    finally:
+        shut_down(tp2)
+    cached = sorted(p.name for p in (tmp_path / "cache").rglob("model.*.safetensors"))
+    shards = ["model.float32.tp2-rank0.safetensors", "model.float32.tp2-rank1.safetensors"]
+    assert cached == ["model.float32.safetensors", *shards]
+
+
+def test_a_rank_that_dies_ends_the_engine(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["llama-gqa"]), num_kv_blocks=64, tensor_parallel_size=2)
+    assert token_ids(llm.generate([[5, 6, 7]], GREEDY))
+    (pid,) = rank_pids(llm.core.executor)
+    os.kill(pid, signal.SIGKILL)
+    # Found out before the next step (ExecutorFailedError) or in it (its collective fails, and
+    # the step's error is fatal): either way the engine ends with the same sentence.
+    deadline = time.monotonic() + 10
+    with pytest.raises(
+        (ExecutorFailedError, FatalEngineError),
+        match=rf"tensor-parallel rank 1 \(pid {pid}\) exited with code -9",
+    ):
+        while time.monotonic() < deadline:
+            llm.generate([[5, 6, 7]], GREEDY)
+    shut_down(llm)
+
+
+# --- the HTTP worker --------------------------------------------------------------------------
+
+
+def rank_pids_in_log(log: str) -> list[int]:
+    match = re.search(r"tensor parallelism: 2 ranks \(pids \[(\d+), (\d+)\]\)", log)
+    assert match, log
+    return [int(match[1]), int(match[2])]
+
+
+def completions(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    result = []
+    with httpx.Client(timeout=60) as client:
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+            response = client.post(f"{url}/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            result.append(response.json()["choices"][0]["token_ids"])
+    return result
+
+
+def test_the_worker_at_tp2_answers_as_tp1_and_stops_its_ranks(tiny_checkpoints, engines, tmp_path):
+    model = str(tiny_checkpoints["llama-gqa"])
+    tp1, _ = engines["llama-gqa"]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = PROMPTS[::2]
+    expected = token_ids(tp1.generate(prompts, params))
+    flags = ("--tensor-parallel-size", "2", "--num-kv-blocks", "256", "--device", "cpu")
+    with running_worker(tmp_path, *flags, model=model) as worker:
+        assert completions(worker.url, prompts) == expected
+        pids = rank_pids_in_log(worker.log_tail(100_000))
+        worker.send_signal(signal.SIGTERM)
+        assert worker.process.wait(30) == 0
+    assert not [pid for pid in pids if is_running(pid)]
+
+
+def test_a_worker_whose_rank_dies_exits_naming_it(tiny_checkpoints, tmp_path):
+    model = str(tiny_checkpoints["qwen3-qknorm"])
+    worker = start_worker(tmp_path, "-tp", "2", "--num-kv-blocks", "64", model=model)
+    try:
+        worker.wait_healthy()
+        engine_pid, rank_pid = rank_pids_in_log(worker.log_tail(100_000))
+        os.kill(rank_pid, signal.SIGKILL)
+        assert worker.process.wait(30) == ENGINE_DIED_EXIT_CODE
+        log = worker.log_tail(100_000)
+        assert f"tensor-parallel rank 1 (pid {rank_pid}) exited with code -9" in log, log
+        deadline = time.monotonic() + 10
+        while is_running(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not is_running(engine_pid)
+    finally:
+        worker.stop()
