@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tandem.models.loader import resolve_model, sampling_defaults
-from tandem.server.protocol import CompletionRequest
+from tandem.server.openai.completion_request import CompletionRequest
 from worker_fixtures import running_worker
 
 QWEN3_STYLE = {

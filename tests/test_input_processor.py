@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from tandem.engine.processor import InputProcessor
-from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.openai.chat_request import ChatCompletionRequest
 
 BOS, A, B = 0, 1, 2
 USER_SAYS_A = [{"role": "user", "content": "a"}]

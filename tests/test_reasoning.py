@@ -2,7 +2,9 @@
 content for outputs written out by hand, and the streaming contract: what an unfinished output
 lets go of as reasoning, and its content once known, always start the whole output's. Then a
 structured output after the reasoning: where it starts, for prompts written by hand, and a
-worker on a tiny checkpoint whose tokenizer has the tags, against the offline engine."""
+worker on a tiny checkpoint whose tokenizer has the tags, against the offline engine. Last, the
+routers' PD flows on that checkpoint split a chat answer as a `both` worker does, though the
+client's first token comes from the prefill worker and the decode worker streams the rest."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
+from pd_fixtures import read_stream, running_routers, running_workers
 from tandem import LLM, SamplingParams
 from tandem.engine.structured_output import StructuredOutput
 from tandem.server.reasoning import split_reasoning, structured_output_start
@@ -170,3 +173,82 @@ def test_a_worker_holds_only_the_answer_after_the_reasoning(
         assert end not in choice["token_ids"]
         assert choice["message"]["content"] in CITIES
         assert choice["message"].get("reasoning") is None
+
+
+# Logit biases that make the tiny checkpoint's greedy answer (worked out in the offline engine:
+# the penalties below push each biased token under the next one once it was written):
+# qwen3: "<think>Paris London</think> Lisbon<think>...", reasoning that the first token opens;
+# deepseek_r1: "</think>Paris London Lisbon</think>...", a first token that ends the reasoning
+# the prompt opened, so all that follows is content.
+FORCED_ANSWERS = {
+    "qwen3": ("<think>", "Paris", "</think>", "ĠLondon", "ĠLisbon"),
+    "deepseek_r1": ("</think>", "Paris", "ĠLondon", "ĠLisbon"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FORCED_ANSWERS))
+def reasoning_cluster(request, thinking_tokenizer, tiny_checkpoints, tmp_path_factory):
+    """A prefill, a decode and a `both` worker with one reasoning parser, and routers over the
+    first two (a handoff's and vLLM's flow)."""
+    parser = request.param
+    log_dir = tmp_path_factory.mktemp(f"pd-{parser}")
+    checkpoint = log_dir / "thinking"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], checkpoint)
+    thinking_tokenizer.save_pretrained(checkpoint)
+    flags = ("--reasoning-parser", parser, "--chat-template", TEMPLATE, "--num-kv-blocks", "64")
+    specs = {role: ("--role", role, *flags) for role in ("prefill", "decode", "both")}
+    with (
+        running_workers(log_dir, specs, str(checkpoint)) as workers,
+        running_routers(log_dir, workers["prefill"].url, workers["decode"].url) as routers,
+    ):
+        yield parser, workers, routers
+
+
+def reasoning_and_content(client: httpx.Client, url: str, body: dict) -> tuple[str, str | None]:
+    """A chat answer's (reasoning, content), from its message or assembled from its chunks;
+    reasoning and reasoning_content must agree."""
+    if not body.get("stream"):
+        response = client.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        message = response.json()["choices"][0]["message"]
+        assert message.get("reasoning") == message.get("reasoning_content"), message
+        return message.get("reasoning_content") or "", message["content"]
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        chunks = read_stream(response)
+    deltas = [choice["delta"] for chunk in chunks for choice in chunk["choices"]]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas), deltas
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    return reasoning, content or None
+
+
+@pytest.mark.parametrize("stop", [None, ["\x00zz"]], ids=["no stop", "held back"])
+def test_reasoning_through_the_routers_pd_flow_is_the_both_workers(
+    reasoning_cluster, thinking_tokenizer, stop
+):
+    """The decode worker's parser sees the first token's text, which the router sent the
+    client itself: each router's answer, streamed and whole, splits reasoning from content
+    as the `both` worker does (a stop string that never matches holds text back)."""
+    parser, workers, routers = reasoning_cluster
+    forced = thinking_tokenizer.convert_tokens_to_ids(list(FORCED_ANSWERS[parser]))
+    body = {
+        "messages": [{"role": "user", "content": "pick a city"}],
+        "temperature": 0,
+        "max_tokens": 10,
+        "logit_bias": {str(token): 100 - rank for rank, token in enumerate(forced)},
+        "presence_penalty": 2.0,
+        "frequency_penalty": 2.0,
+        "stop": stop,
+    }
+    with httpx.Client() as client:
+        for stream in (True, False):
+            request = {**body, "stream": stream}
+            reference = reasoning_and_content(client, workers["both"].url, request)
+            if parser == "qwen3":
+                assert reference[0].startswith("Paris") and "Lisbon" in reference[1]
+            else:
+                assert reference[0] == "" and reference[1].startswith("Paris")
+            for flow, router in routers.items():
+                answer = reasoning_and_content(client, router.url, request)
+                assert answer == reference, (flow, stream)

@@ -27,8 +27,9 @@ from fastapi.testclient import TestClient
 import tandem
 from tandem import DEFAULT_MODEL, LLM, SamplingParams
 from tandem.engine.structured_output import StructuredOutput
-from tandem.server.app import ServerSettings, build_app
+from tandem.server.app import build_app
 from tandem.server.main import read_chat_template
+from tandem.server.settings import ServerSettings
 from worker_fixtures import read_metrics, running_worker, wait_for_metric
 
 MODEL = DEFAULT_MODEL

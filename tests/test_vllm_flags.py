@@ -65,14 +65,13 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 # Greedy requests draw nothing from a worker's sampling generator: only the --seed test samples.
 GREEDY = {"prompt": PROMPT, "temperature": 0.0}
 # The worker flags `tandem serve` does not take: it sets them per worker (role, ports, KV
-# endpoint, registration), or they belong to the router in a cluster (TLS), or to tests.
+# endpoint, registration), or they belong to the router in a cluster (TLS).
 PLANNED_PER_WORKER = {
     "--role",
     "--decode-device",
     "--kv-host",
     "--kv-port",
     "--kv-transfer-config",
-    "--kv-fault",
     "--router",
     "--advertise-url",
     "--ssl-keyfile",

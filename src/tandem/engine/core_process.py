@@ -4,22 +4,17 @@
     AsyncEngineClient --(add/abort)-->  run_engine_core: poll inputs, step, send outputs
                       <--(outputs, stats)--
 
-Messages are pickled tuples over two ZeroMQ PUSH/PULL sockets on ipc:// addresses:
-    in:  ("add", [Request]) | ("abort", [request_id]) | ("release_kv", remote_request_id)
-         | ("release_remote", kv_transfer_params) | ("tokenizer", json, eos_token_ids)
-         | ("shutdown",)
-    out: ("ready", info) | ("error", message) | ("outputs", [EngineCoreOutput], stats)
-         | ("fatal", reason, [EngineCoreOutput])
-The loop blocks on its input only while it has nothing to do; a KV transport thread that
-finishes a load or a remote read wakes it through a pipe, so a loaded request starts at once.
-For `busy_poll_s` after its last work it waits by polling without sleeping, which keeps its CPU
-core awake for the next request (on the GPU hosts an idle core doubled the host time of about
-one prefill step in five, and of most at 1024 tokens).
+The messages are the typed structs of `messages.py`, as msgpack over two ZeroMQ PUSH/PULL
+sockets on ipc:// addresses. The loop blocks on its input only while it has nothing to do; a KV
+transport thread that finishes a load or a remote read wakes it through a pipe, so a loaded
+request starts at once. For `busy_poll_s` after its last work it waits by polling without
+sleeping, which keeps its CPU core awake for the next request (on the GPU hosts an idle core
+doubled the host time of about one prefill step in five, and of most at 1024 tokens).
 
 The engine dies with its API process: on Linux the kernel kills it then (PR_SET_PDEATHSIG);
 elsewhere, or should that fail, the loop stops once its parent is gone (reparented). A request
 that fails in the engine fails alone (see core.py); when the engine cannot go on
-(`FatalEngineError`, or an exception that escapes the core), the loop sends "fatal" with the
+(`FatalEngineError`, or an exception that escapes the core), the loop sends `Fatal` with the
 failed step's outputs and the process exits with ENGINE_FAILED_EXIT_CODE: the API process
 answers what is left with 503s and exits, for its supervisor to restart it.
 """
@@ -33,12 +28,27 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.messages import (
+    INPUT_DECODER,
+    AbortRequests,
+    AddRequests,
+    EngineInfo,
+    EngineInput,
+    Fatal,
+    Outputs,
+    Ready,
+    ReleaseLease,
+    ReleaseRemote,
+    SetTokenizer,
+    Shutdown,
+    StartFailed,
+    encode,
+)
 from tandem.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -54,17 +64,6 @@ BUSY_POLL_SWITCH_INTERVAL_S = 0.0005
 ENGINE_FAILED_EXIT_CODE = 70  # EX_SOFTWARE
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the front end needs to know about the engine it talks to."""
-
-    model: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    kv_port: int | None = None  # where the KV server listens (workers that serve their KV)
-
-
 def collect_stats(core) -> dict[str, Any]:
     scheduler, kv = core.scheduler, core.kv_manager
     stats = {
@@ -72,6 +71,11 @@ def collect_stats(core) -> dict[str, Any]:
         "kv_blocks_total": kv.num_blocks,
         "requests_running": scheduler.num_running,
         "requests_waiting": scheduler.num_waiting,
+        # the prefill queue a router balances on: prompt tokens admitted, not yet computed
+        "tokens_waiting": sum(
+            max(0, len(request.prompt_token_ids) - request.num_computed_tokens)
+            for request in (*scheduler.waiting, *scheduler.running)
+        ),
         "prefix_cache_queries": kv.num_prefix_queries,
         "prefix_cache_hits": kv.num_prefix_hits,
         "num_preemptions": scheduler.num_preemptions,
@@ -105,12 +109,12 @@ def run_engine_core(
 
         factory = None
         if kv_config is not None:
-            from tandem.kv.connector import connector_factory
+            from tandem.kv.connector import make_connectors
 
-            factory = connector_factory(kv_config)
+            factory = make_connectors(kv_config)
         core = EngineCore(config, factory)
     except Exception as exc:  # start-up failures go to the front end as a sentence
-        outputs.send_pyobj(("error", f"{type(exc).__name__}: {exc}"))
+        outputs.send(encode(StartFailed(f"{type(exc).__name__}: {exc}")))
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         context.destroy(linger=1000)
         return
@@ -119,14 +123,14 @@ def run_engine_core(
         max_model_len=core.max_model_len,
         vocab_size=core.model_config.vocab_size,
         eos_token_ids=core.eos_token_ids,
-        kv_port=core.connector.server.port if getattr(core.connector, "server", None) else None,
+        kv_port=core.connector.kv_port,
     )
     # What start-up built (the model, its modules, the tokenizer's tables) lives as long as the
     # process: frozen, the garbage collector stops walking it, which shortens its pauses in the
     # step loop.
     gc.collect()
     gc.freeze()
-    outputs.send_pyobj(("ready", info))
+    outputs.send(encode(Ready(info)))
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)  # a full pipe already holds a wake-up
     core.connector.set_wakeup(lambda: _wake(wake_write))
@@ -156,21 +160,23 @@ def run_engine_core(
             while events:
                 if wake_read in events:
                     os.read(wake_read, 4096)
-                if inputs in events and not handle_message(core, inputs.recv_pyobj(), step_outputs):
-                    return
+                if inputs in events:
+                    message = INPUT_DECODER.decode(inputs.recv())
+                    if not handle_message(core, message, step_outputs):
+                        return
                 events = dict(poller.poll(0))
             if core.has_work():
                 # A handoff's first token goes out ahead of the step that decodes on from it: the
                 # front end opens the stream while that step runs.
                 if transfer_outputs := core.take_finished_transfers():
-                    outputs.send_pyobj(("outputs", transfer_outputs, collect_stats(core)))
+                    outputs.send(encode(Outputs(transfer_outputs, collect_stats(core))))
                 step_outputs.extend(core.step_batch())
             if os.getppid() != api_pid:  # reparented: the API process died
                 logger.warning("the API process is gone: the engine stops")
                 return
             now = time.monotonic()
             if step_outputs or now - last_stats > STATS_INTERVAL_S:
-                outputs.send_pyobj(("outputs", step_outputs, collect_stats(core)))
+                outputs.send(encode(Outputs(step_outputs, collect_stats(core))))
                 last_stats = now
     except FatalEngineError as exc:
         fatal = str(exc)
@@ -181,7 +187,7 @@ def run_engine_core(
     finally:
         if fatal is not None:
             logger.critical("the engine cannot go on and exits: %s", fatal)
-            outputs.send_pyobj(("fatal", fatal, step_outputs))
+            outputs.send(encode(Fatal(fatal, step_outputs)))
         core.shutdown()
         context.destroy(linger=1000 if fatal is not None else 0)
         os.close(wake_read)
@@ -191,24 +197,24 @@ def run_engine_core(
         os._exit(ENGINE_FAILED_EXIT_CODE)  # no teardown that could touch a broken device
 
 
-def handle_message(core, message: tuple, step_outputs: list) -> bool:
+def handle_message(core, message: EngineInput, step_outputs: list) -> bool:
     """Apply one message from the front end; False when it says to shut down."""
-    kind = message[0]
-    if kind == "add":  # a request that cannot be admitted fails alone
-        step_outputs.extend(core.admit(message[1]))
+    if isinstance(message, AddRequests):  # a request that cannot be admitted fails alone
+        step_outputs.extend(core.admit(new.to_request() for new in message.requests))
         return True
     try:
-        if kind == "abort":
-            step_outputs.extend(core.abort_requests(message[1]))
-        elif kind == "release_kv":
-            core.connector.release(message[1])
-        elif kind == "release_remote":
-            core.connector.release_remote(message[1])
-        elif kind == "tokenizer":
-            core.set_tokenizer(*message[1:])
+        match message:
+            case AbortRequests(request_ids):
+                step_outputs.extend(core.abort_requests(request_ids))
+            case ReleaseLease(remote_request_id):
+                core.connector.release(remote_request_id)
+            case ReleaseRemote(kv_transfer_params):
+                core.connector.release_remote(kv_transfer_params)
+            case SetTokenizer(tokenizer_json, eos_token_ids):
+                core.set_tokenizer(tokenizer_json, eos_token_ids)
     except Exception:
-        logger.error("the engine could not apply %r:\n%s", kind, traceback.format_exc())
-    return kind != "shutdown"
+        logger.error("the engine could not apply %r:\n%s", message, traceback.format_exc())
+    return not isinstance(message, Shutdown)
 
 
 def poll_events(poller: zmq.Poller, timeout_ms: int, spin_until: float) -> dict:

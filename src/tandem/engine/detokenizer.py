@@ -10,12 +10,14 @@ token right.
 Stop strings: the text is cut before the first stop string (after it, with
 `include_stop_str_in_output`); while streaming, the last (longest stop string - 1) characters
 are held back because they may begin a stop string (nothing is held back when the stop string
-stays in the text: all text before its end is output).
+stays in the text: all text before its end is output). The hold-back rule lives in
+`tandem.pd.text`, shared with the PD flows.
 """
 
 from __future__ import annotations
 
 from tandem.engine.sampling_params import SamplingParams
+from tandem.pd.text import stop_hold_back, stop_reach
 
 PROMPT_CONTEXT_TOKENS = 5
 
@@ -47,17 +49,6 @@ class IncrementalDetokenizer:
         return delta
 
 
-def stop_reach(stop: list[str]) -> int:
-    """How many characters before a new token's text a stop string it completes may begin."""
-    return max((len(s) for s in stop), default=1) - 1
-
-
-def stop_hold_back(params: SamplingParams) -> int:
-    """How many characters an unfinished sequence keeps back: they may start a stop string
-    that the output then leaves out."""
-    return 0 if params.include_stop_str_in_output else stop_reach(params.stop)
-
-
 class TextState:
     """The text of one output sequence: what is decoded, what was sent, and the stop strings."""
 
@@ -68,7 +59,7 @@ class TextState:
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.reach = stop_reach(params.stop)
-        self.hold_back = stop_hold_back(params)
+        self.hold_back = stop_hold_back(params.stop, params.include_stop_str_in_output)
         self.text = ""
         self.num_sent = 0
 

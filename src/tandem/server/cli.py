@@ -54,9 +54,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--role",
         default=KV_FLAG_DEFAULTS["role"],
-        choices=["prefill", "decode", "both", "pd"],
+        choices=["prefill", "decode", "both", "pd", "auto"],
         help="pd: a prefill engine and a decode engine behind this one server, the KV handed "
-        "over between them (cuda-ipc on GPUs, else tcp)",
+        "over between them (cuda-ipc on GPUs, else tcp); auto: prefill legs, decode legs and "
+        "whole requests, as a router's planner assigns (its KV server and client both on)",
     )
     parser.add_argument(
         "--decode-device",
@@ -80,7 +81,6 @@ def add_parser(subparsers) -> None:
         "MooncakeConnector, PyNcclConnector: --kv-transport tcp), kv_ip, kv_port, "
         "kv_load_failure_policy; vLLM's tuning keys are ignored",
     )
-    kv.add_argument("--kv-fault", default=None, help=argparse.SUPPRESS)  # fault injection, tests
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--router", default=None, help="router URL to register with")
     cluster.add_argument(

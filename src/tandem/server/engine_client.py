@@ -2,7 +2,8 @@
 
 It owns the tokenizer and the output processor: requests go to the core as token ids; token ids
 come back and are detokenized here, so the core's step loop never does text work. Each live
-request has an asyncio queue that the output loop fills with `SequenceDelta`s.
+request has an asyncio queue that the output loop fills with `SequenceDelta`s. Everything that
+crosses to the core and back is a typed message of `tandem.engine.messages` (msgpack).
 
 A request the engine fails (or whose output cannot be detokenized here) ends with an error delta
 (status 500) and is aborted in the core; the others go on. The engine process is watched (its
@@ -27,7 +28,25 @@ import zmq
 import zmq.asyncio
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.core_process import EngineInfo, run_engine_core
+from tandem.engine.core_process import run_engine_core
+from tandem.engine.messages import (
+    OUTPUT_DECODER,
+    AbortRequests,
+    AddRequests,
+    EngineInfo,
+    EngineInput,
+    EngineOutput,
+    Fatal,
+    NewRequest,
+    Outputs,
+    Ready,
+    ReleaseLease,
+    ReleaseRemote,
+    SetTokenizer,
+    Shutdown,
+    StartFailed,
+    encode,
+)
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.processor import (
     InputProcessor,
@@ -38,8 +57,7 @@ from tandem.engine.processor import (
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import tokenizer_json
-from tandem.kv.base import is_pending_handoff
-from tandem.kv.params import HandedOutLeases, WorkerKV, parse_kv_transfer_params
+from tandem.kv.params import HandedOutLeases, WorkerKV, parse_kv_transfer_params, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +115,7 @@ class RequestStream:
             client.outputs.discard(child_id)
         del client._children[self.request_id]
         if self.pending:
-            await client._send(("abort", list(self.pending)))
+            await client._send(AbortRequests(list(self.pending)))
 
 
 class AsyncEngineClient:
@@ -164,7 +182,7 @@ class AsyncEngineClient:
         # The prompt-length bound reads the whole vocabulary: now, not in the first request.
         await asyncio.to_thread(lambda: self.inputs.bytes_per_token)
         if (as_json := await asyncio.to_thread(tokenizer_json, self.tokenizer)) is not None:
-            await self._send(("tokenizer", as_json, self.inputs.eos_token_ids))
+            await self._send(SetTokenizer(as_json, sorted(self.inputs.eos_token_ids)))
         self.outputs = OutputProcessor(self.tokenizer)
         kv = self.kv_config
         self.kv_worker = WorkerKV(
@@ -197,11 +215,11 @@ class AsyncEngineClient:
         deadline = asyncio.get_running_loop().time() + self.start_timeout
         while True:
             if await self._output.poll(timeout=500):
-                kind, payload = (await self._output.recv_pyobj())[:2]
-                if kind == "ready":
-                    return payload
-                if kind == "error":
-                    raise EngineStartError(payload)
+                message = OUTPUT_DECODER.decode(await self._output.recv())
+                if isinstance(message, Ready):
+                    return message.info
+                if isinstance(message, StartFailed):
+                    raise EngineStartError(message.message)
             if not self._process.is_alive():
                 raise EngineStartError(
                     f"the engine process exited with code {self._process.exitcode} while starting"
@@ -214,7 +232,7 @@ class AsyncEngineClient:
         self._stopping = True
         self._fail_in_flight("the server is shutting down; retry")
         if self._process is not None and self._process.is_alive():
-            await self._send(("shutdown",))
+            await self._send(Shutdown())
             await asyncio.to_thread(self._process.join, 10)
             if self._process.is_alive():
                 self._process.kill()
@@ -264,18 +282,20 @@ class AsyncEngineClient:
             raise ValueError(f"n must be at most {max_waiting}, the size of this server's queue")
         if self._num_unstarted + params.n > max_waiting:
             raise QueueFullError(f"{self._num_unstarted} requests are already waiting; retry later")
-        kv_transfer_params = parse_kv_transfer_params(
+        kv_params = parse_kv_transfer_params(
             kv_transfer_params, self.kv_worker, len(prompt_token_ids)
         )
-        remote = kv_transfer_params or {}
-        first_token_id = remote.get("first_token_id")
+        first_token_id = kv_params.first_token_id if kv_params else None
         # A handoff's first token comes from the engine once the prefill announced it.
-        remote_prefill = bool(remote.get("do_remote_prefill")) and not is_pending_handoff(remote)
+        remote_prefill = bool(kv_params and kv_params.do_remote_prefill) and not (
+            kv_params.is_handoff
+        )
         unused_lease = None
         if remote_prefill and params.n > 1:  # n samples, n first tokens: all computed here
-            unused_lease, kv_transfer_params, remote_prefill = kv_transfer_params, None, False
+            unused_lease, kv_params, remote_prefill = kv_params, None, False
+        # The requests' params in their wire form, which the output processor reads.
         requests = self.inputs.make_requests(
-            request_id, prompt_token_ids, params, kv_transfer_params
+            request_id, prompt_token_ids, params, to_wire(kv_params) if kv_params else None
         )
         stream = RequestStream(self, request_id, [r.request_id for r in requests])
         self._children[request_id] = stream.child_ids
@@ -295,11 +315,11 @@ class AsyncEngineClient:
         stream.unstarted.update(r.request_id for r in to_submit)
         try:
             if remote_prefill and not to_submit:
-                unused_lease = kv_transfer_params
+                unused_lease = kv_params
             if unused_lease is not None:
-                await self._send(("release_remote", unused_lease))
+                await self._send(ReleaseRemote(unused_lease))
             if to_submit:
-                await self._send(("add", to_submit))
+                await self._send(AddRequests([NewRequest.of(r) for r in to_submit]))
         except BaseException:
             await stream.close()
             raise
@@ -322,40 +342,42 @@ class AsyncEngineClient:
     async def abort(self, request_id: str) -> None:
         child_ids = self._children.get(request_id, [])
         if child_ids:
-            await self._send(("abort", child_ids))
+            await self._send(AbortRequests(child_ids))
 
     async def release_kv(self, remote_request_id: str) -> bool:
         """Free a lease this worker handed out now; False for an id it does not know (never
         handed out, released, or past its lease's timeout)."""
         if not self.leases.pop(remote_request_id):
             return False
-        await self._send(("release_kv", remote_request_id))
+        await self._send(ReleaseLease(remote_request_id))
         return True
 
     # -- the output loop -------------------------------------------------------------------------
 
     async def _output_loop(self) -> None:
         while True:
-            message = await self._output.recv_pyobj()
+            data = await self._output.recv()
             try:
-                to_abort = self._take(message)
+                to_abort = self._take(OUTPUT_DECODER.decode(data))
             except Exception:  # never the end of this loop: every request would hang
                 logger.exception("the engine's outputs could not be taken")
                 continue
             if to_abort:
-                await self._send(("abort", to_abort))
+                await self._send(AbortRequests(to_abort))
 
-    def _take(self, message: tuple) -> list[str]:
+    def _take(self, message: EngineOutput) -> list[str]:
         """Hand one message of the engine's outputs to their streams; the child ids to abort
         in the core (a stop string ended them, or their output could not be detokenized)."""
-        if message[0] == "fatal":  # the engine's last words: its failed step's outputs
-            _, self._death_cause, core_outputs = message
-        elif message[0] == "outputs":
-            _, core_outputs, self.stats = message
+        if isinstance(message, Fatal):  # the engine's last words: its failed step's outputs
+            self._death_cause, core_outputs = message.reason, message.outputs
+        elif isinstance(message, Outputs):
+            core_outputs, self.stats = message.outputs, message.stats
         else:
             return []
         to_abort: list[str] = []
         for output in core_outputs:
+            if output.kv_transfer_params is not None:  # a prefill's answer: its wire form
+                output.kv_transfer_params = to_wire(output.kv_transfer_params)
             try:
                 deltas, stopped = self.outputs.process([output])
             except Exception as exc:  # fails this request alone (an abort ends its lease too)
@@ -372,17 +394,17 @@ class AsyncEngineClient:
                 queue = self._queues.get(child_request_id(delta.request_id, delta.index))
                 if queue is not None:
                     queue.put_nowait(delta)
-        if self.stats_listener is not None and message[0] == "outputs":
+        if self.stats_listener is not None and isinstance(message, Outputs):
             # After the readers these deltas woke: the metrics wait, the tokens do not.
             asyncio.get_running_loop().call_soon(self.stats_listener, self.stats)
         return to_abort
 
-    async def _send(self, message: tuple) -> None:
+    async def _send(self, message: EngineInput) -> None:
         """Send a message to the engine; nothing once it is dead. A send that must wait (a full
         queue, or an engine that has just died) gives up when the engine is found dead."""
         if self.dead:
             return
-        sending = self._input.send_pyobj(message)
+        sending = self._input.send(encode(message))
         if not sending.done():
             await asyncio.wait({sending, self._died}, return_when=asyncio.FIRST_COMPLETED)
             if not sending.done():
@@ -409,7 +431,7 @@ class AsyncEngineClient:
             await self._output_task
         try:  # its last messages may still be on their way through the socket
             while await self._output.poll(timeout=LAST_OUTPUTS_WAIT_MS):
-                self._take(await self._output.recv_pyobj())
+                self._take(OUTPUT_DECODER.decode(await self._output.recv()))
         except Exception:  # what is left fails below all the same
             logger.exception("the engine's last outputs could not be taken")
         self._fail_in_flight(ENGINE_DIED)

@@ -29,9 +29,10 @@ from tandem.http_options import quiet_probes, under_root_path, url_scheme, uvico
 from tandem.keep_awake import KeepAwake
 from tandem.kv.config import KVTransferConfig
 from tandem.limits import body_limits_from_args, field_limits_from_args
-from tandem.server.app import ServerSettings, build_app
+from tandem.server.app import build_app
 from tandem.server.engine_client import AsyncEngineClient, EngineStartError
 from tandem.server.pd_client import DisaggregatedClient, place_engines
+from tandem.server.settings import ServerSettings
 
 logger = logging.getLogger("tandem.worker")
 GRACEFUL_SHUTDOWN_S = 10
@@ -43,7 +44,8 @@ ENGINE_DIED_EXIT_DELAY_S = 1.0
 def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
     if args.role == "both" and args.kv_transport is None:
         return None
-    return kv_config_of(args, args.role, args.kv_transport or "tcp", args.kv_host or args.host)
+    kv_role = "both" if args.role == "auto" else args.role  # auto: serves and loads KV
+    return kv_config_of(args, kv_role, args.kv_transport or "tcp", args.kv_host or args.host)
 
 
 def kv_config_of(
@@ -57,7 +59,6 @@ def kv_config_of(
         lease_timeout_s=args.kv_lease_timeout,
         transfer_timeout_s=args.kv_transfer_timeout,
         load_failure_policy=args.kv_load_failure_policy,
-        fault=args.kv_fault,
         cluster_token=args.cluster_token or None,
     )
 

@@ -25,6 +25,7 @@ STAT_GAUGES = {
     "kv_blocks_total": ("tandem_kv_cache_blocks_total", "KV blocks in the cache"),
     "requests_running": ("tandem_requests_running", "Requests in the running batch"),
     "requests_waiting": ("tandem_requests_waiting", "Requests waiting (incl. for remote KV)"),
+    "tokens_waiting": ("tandem_prompt_tokens_waiting", "Prompt tokens admitted, not computed yet"),
     "prefix_cache_hit_rate": ("tandem_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)"),
     "num_preemptions": ("tandem_preemptions", "Requests preempted so far"),
     "kv_blocks_leased": ("tandem_kv_blocks_leased", "Blocks held for remote decoders"),
@@ -32,16 +33,16 @@ STAT_GAUGES = {
     "kv_bytes_received": ("tandem_kv_transfer_bytes_received", "KV bytes received"),
     "kv_blocks_sent": ("tandem_kv_transfer_blocks_sent", "KV blocks sent to decoders"),
     "kv_blocks_received": ("tandem_kv_transfer_blocks_received", "KV blocks received"),
-    "kv_handoffs_early": (
-        "tandem_kv_handoffs_early",
-        "Handoffs announced before their first token (cuda-ipc)",
-    ),
-    "kv_handoffs_ahead": (
-        "tandem_kv_handoffs_ahead",
-        "Handoffs whose first decode step ran before their first token was announced (cuda-ipc)",
-    ),
 }
 
+# the engine stats a worker's /health reports as its load (what a router balances on)
+LOAD_STATS = (
+    "requests_running",
+    "requests_waiting",
+    "tokens_waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+)
 
 # tandem's metric -> vLLM's name for the same (label renames beside)
 VLLM_NAMES = {
@@ -142,6 +143,7 @@ class WorkerMetrics:
             labels + ["kind"],
             registry=self.registry,
         )
+        self.load: dict[str, int] = {}  # the latest of LOAD_STATS, for a router (/health)
         self.vllm_names = CollectorRegistry()
         self.vllm_names.register(VllmNames(self.registry, model_name))
 
@@ -153,6 +155,7 @@ class WorkerMetrics:
         for key, gauge in self.gauges.items():
             if key in stats:
                 gauge.set(stats[key])
+        self.load = {key: int(stats[key]) for key in LOAD_STATS if key in stats}
         for seconds in stats.get("kv_transfer_seconds", ()):
             self.kv_transfer_latency.labels(self.model_name).observe(seconds)
         for kind, count in stats.get("kv_transfer_failures", {}).items():

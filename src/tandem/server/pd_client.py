@@ -10,6 +10,8 @@ one engine must serve whole (n > 1, prompt logprobs) go to the decode engine, on
 to the prefill engine.
 
 `DisaggregatedClient` has the surface of `AsyncEngineClient`, so the HTTP layer is the worker's.
+The handoff itself is `pd.hand_off`'s, the router's orchestration; `EngineLegs` are its legs on
+the two engine clients.
 """
 
 from __future__ import annotations
@@ -17,17 +19,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.core_process import EngineInfo
-from tandem.engine.detokenizer import stop_hold_back
+from tandem.engine.messages import EngineInfo
 from tandem.engine.processor import SequenceDelta
 from tandem.engine.sampling_params import SamplingParams
-from tandem.server.engine_client import AsyncEngineClient
+from tandem.kv.params import KVTransferParams
+from tandem.pd.handoff import FirstToken, hand_off
+from tandem.pd.params import from_wire, handoff_decode_params, prefill_kv_params, to_wire
+from tandem.pd.text import stop_hold_back
+from tandem.server.engine_client import AsyncEngineClient, RequestStream
 
 
 def place_engines(config: EngineConfig, decode_device: str) -> tuple[EngineConfig, EngineConfig]:
@@ -128,7 +134,7 @@ class DisaggregatedClient:
             await self.shutdown()
             raise failures[0]
         limit = min(self.prefill.info.max_model_len, self.decode.info.max_model_len)
-        self.info = dataclasses.replace(self.decode.info, max_model_len=limit, kv_port=None)
+        self.info = msgspec.structs.replace(self.decode.info, max_model_len=limit, kv_port=None)
         self.inputs.max_model_len = limit
 
     async def shutdown(self) -> None:
@@ -158,71 +164,117 @@ class DisaggregatedClient:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[SequenceDelta]:
         handoff_id = uuid.uuid4().hex
-        waiting = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "handoff_id": handoff_id,
-            "remote_host": self.prefill.kv_config.host,
-            "remote_port": self.prefill.info.kv_port,
-            "kv_transport": self.prefill.kv_config.transport,
-        }
-        # The prefill leg goes in first, the first token's way. The decode engine's wait reaches
-        # the prefill's KV server while the prefill runs; an early announcement made before it
-        # is kept for it (cuda-ipc), so its copy is still queued before the prefill ends.
-        prefill_leg = await self.prefill.submit(
-            request_id,
-            prompt_token_ids,
-            prefill_leg_params(params),
-            {"do_remote_decode": True, "do_remote_prefill": False, "handoff_id": handoff_id},
+        waiting = handoff_decode_params(
+            handoff_id,
+            self.prefill.kv_config.host,
+            self.prefill.info.kv_port,
+            self.prefill.kv_config.transport,
         )
-        try:
-            decode_leg = await self.decode.submit(request_id, prompt_token_ids, params, waiting)
-        except BaseException:
-            await self.prefill.abort(request_id)  # its lease too, if it is done already
-            await prefill_leg.close()
-            raise
-        lease: dict[str, Any] | None = None
-        handed_over = False
-        try:
-            # Both legs are read in this task: the first token wakes it with no hop between.
-            first = await prefill_leg.next()
-            await prefill_leg.close()  # done on its one token: its state here goes
-            lease = first.kv_transfer_params
-            if first.finish_reason in ("stop", "error") or lease is None:
-                yield first  # the first token ended the request, or the prefill failed
-                return
-            # What the decode engine's output processor sends for the same token, unfinished:
-            # the text minus what may start a stop string.
-            shown = first.text[: max(0, len(first.text) - stop_hold_back(params))]
-            yield dataclasses.replace(
-                first, text=shown, finish_reason=None, stop_reason=None, kv_transfer_params=None
-            )
-            skip_chars, skip_tokens = len(shown), 1
-            delta = await decode_leg.next()
-            handed_over = delta.finish_reason != "error"
-            while True:
-                cut = min(skip_chars, len(delta.text))
-                num_tokens = min(skip_tokens, len(delta.token_ids))
-                skip_chars, skip_tokens = skip_chars - cut, skip_tokens - num_tokens
-                if delta.token_ids[num_tokens:] or delta.text[cut:] or delta.finish_reason:
-                    yield dataclasses.replace(
-                        delta,
-                        text=delta.text[cut:],
-                        token_ids=delta.token_ids[num_tokens:],
-                        logprobs=delta.logprobs[num_tokens:] if delta.logprobs else delta.logprobs,
-                        num_cached_tokens=first.num_cached_tokens,  # the prompt's, at prefill
-                    )
-                if delta.finish_reason is not None:
-                    return
-                delta = await decode_leg.next()
-        finally:
-            await decode_leg.close()
-            await prefill_leg.close()
-            if lease is not None and not handed_over:
-                await self.prefill.release_kv(lease["remote_request_id"])
+        legs = EngineLegs(self, request_id, prompt_token_ids, params, handoff_id)
+        hold_back = stop_hold_back(params.stop, params.include_stop_str_in_output)
+        async for delta in hand_off(legs, hold_back=hold_back, handoff=waiting):
+            yield delta
 
     async def abort(self, request_id: str) -> None:
         await asyncio.gather(self.prefill.abort(request_id), self.decode.abort(request_id))
 
     async def release_kv(self, remote_request_id: str) -> bool:
         return await self.prefill.release_kv(remote_request_id)
+
+
+class EngineLegs:
+    """A request's two legs on the two engines (`pd.handoff.HandoffLegs`). Both are read in the
+    caller's task: the first token wakes it with no hop between."""
+
+    def __init__(
+        self,
+        client: DisaggregatedClient,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        handoff_id: str,
+    ) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.handoff_id = handoff_id
+        self.lease_taken = False
+        self.prefill_stream: RequestStream | None = None
+        self.decode_stream: RequestStream | None = None
+        self.first: SequenceDelta | None = None
+        self.shown_text = ""  # the first token's text as the client got it
+
+    async def start_prefill(self) -> None:
+        self.prefill_stream = await self.client.prefill.submit(
+            self.request_id,
+            self.prompt_token_ids,
+            prefill_leg_params(self.params),
+            prefill_kv_params(self.handoff_id),
+        )
+
+    async def start_decode(self, params: KVTransferParams) -> None:
+        # The decode engine's wait reaches the prefill's KV server while the prefill runs; an
+        # early announcement made before it is kept for it (cuda-ipc), so its copy is still
+        # queued before the prefill ends.
+        self.decode_stream = await self.client.decode.submit(
+            self.request_id, self.prompt_token_ids, self.params, to_wire(params)
+        )
+
+    async def prefill(self) -> FirstToken:
+        assert self.prefill_stream is not None
+        self.first = first = await self.prefill_stream.next()
+        await self.prefill_stream.close()  # done on its one token: its state here goes
+        lease = None if first.kv_transfer_params is None else from_wire(first.kv_transfer_params)
+        # the first token ended the request, or the prefill failed
+        ends_request = first.finish_reason in ("stop", "error")
+        return FirstToken(first.text, lease, ends_request)
+
+    def prefill_alone(self, first: FirstToken) -> list[SequenceDelta]:
+        assert self.first is not None
+        return [self.first]
+
+    async def decode_refused(self) -> None:
+        return None  # a refusal raised at submit
+
+    def first_token(self, first: FirstToken, shown_text: str) -> list[SequenceDelta]:
+        assert self.first is not None
+        unfinished = dict(finish_reason=None, stop_reason=None, kv_transfer_params=None)
+        self.shown_text = shown_text
+        return [dataclasses.replace(self.first, text=shown_text, **unfinished)]
+
+    async def continuation(self) -> AsyncGenerator[SequenceDelta, None]:
+        """The decode engine's deltas, less the first token's id, logprob and the text the
+        client has of it (the engine emits that token in a delta of its own)."""
+        assert self.decode_stream is not None and self.first is not None
+        delta = await self.decode_stream.next()
+        self.lease_taken = delta.finish_reason != "error"
+        first_left = True
+        while True:
+            token_ids, logprobs, text = delta.token_ids, delta.logprobs, delta.text
+            if first_left and token_ids:
+                token_ids, logprobs = token_ids[1:], logprobs[1:] if logprobs else logprobs
+                text = text[len(self.shown_text) :]
+                first_left = False
+            if token_ids or text or delta.finish_reason:
+                yield dataclasses.replace(
+                    delta,
+                    text=text,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    num_cached_tokens=self.first.num_cached_tokens,  # the prompt's, at prefill
+                )
+            if delta.finish_reason is not None:
+                return
+            delta = await self.decode_stream.next()
+
+    async def release(self, lease: KVTransferParams) -> None:
+        assert lease.remote_request_id is not None
+        await self.client.prefill.release_kv(lease.remote_request_id)
+
+    async def close(self) -> None:
+        if self.prefill_stream is not None and self.decode_stream is None and self.first is None:
+            await self.client.prefill.abort(self.request_id)  # its lease too, if it is done
+        for stream in (self.decode_stream, self.prefill_stream):
+            if stream is not None:
+                await stream.close()

@@ -1,0 +1,1 @@
+"""The OpenAI API of a worker: request bodies, validation, serving and the answers' writers."""
