@@ -275,7 +275,7 @@ def structured(limits: dict, tokenizer_path: Path) -> dict:
 
 TRANSFER_PRODUCER = """
 import sys, torch
-from tandem.kv.cuda_ipc import export_handle
+from tandem.kv.data.cuda_ipc import export_handle
 shape = [int(x) for x in sys.argv[1].split(",")]
 cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda:0")
 print(export_handle(cache), flush=True)
@@ -286,7 +286,7 @@ sys.stdin.readline()
 def transfer_child(method: str) -> None:
     """One copy method in its own process (a fault there cannot take the suite down); prints
     its median seconds and whether the bytes arrived intact, as JSON."""
-    from tandem.kv.cuda_ipc import BlockCopier, open_handle
+    from tandem.kv.data.cuda_ipc import BlockCopier, open_handle
 
     shape = (TRANSFER_LAYERS, 2, 2 * TRANSFER_BLOCKS, 16, 8, 128)
     producer = subprocess.Popen(
@@ -318,7 +318,7 @@ def transfer_child(method: str) -> None:
             times.append(time.perf_counter() - start)
         result = {"seconds": statistics.median(times), "ok": ok}
         if use_kernel:  # the kernel alone, by launch shape, with the index tensors uploaded
-            from tandem.kv.cuda_ipc import copy_blocks_kernel
+            from tandem.kv.data.cuda_ipc import copy_blocks_kernel
 
             remote_index = torch.tensor(remote_ids, dtype=torch.int32, device="cuda:1")
             local_index = torch.tensor(local_ids, dtype=torch.int32, device="cuda:1")
@@ -511,7 +511,7 @@ def direct_legs(client, urls: dict[str, str], prompt: list[int]) -> dict:
     (the colocated engine's path without KV bookkeeping), the prefill leg (one token and a KV
     lease), then the decode leg streamed with that lease: its first chunk (the prefill's token,
     sent on admission) and its second token (after the KV load and one step)."""
-    from tandem.router.proxy import prefill_leg_body
+    from tandem.router.classify import prefill_leg_body
 
     one_token = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()
@@ -667,12 +667,6 @@ def latency(limits: dict, log_dir: Path) -> dict:
             # streamed PD requests that went through the handoff flow
             handoffs = "tandem_router_handoffs_total"
             results["router_handoffs"] = metric_totals(client, urls["pd"], [handoffs])[handoffs]
-            # handoffs whose first decode step ran before their first token's announcement
-            ahead = "tandem_kv_handoffs_ahead"
-            results["handoffs_ahead"] = {
-                server: metric_totals(client, urls[server], [ahead])[ahead]
-                for server in ("decode", "pd_server")
-            }
         return results
     finally:
         stop_processes(processes.values())

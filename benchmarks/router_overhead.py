@@ -33,13 +33,16 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from tandem.router.proxy import prefill_leg_body
+from tandem.router.classify import prefill_leg_body
 
 NAN = float("nan")
+# the model-free worker of the router's tests
+FAKE_WORKER = Path(__file__).resolve().parents[1] / "tests" / "fake_worker.py"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
 
 
@@ -218,7 +221,7 @@ async def benchmark(args: argparse.Namespace) -> list[Row]:
         if args.fake_workers:
             for role, urls in (("prefill", prefill_urls), ("decode", decode_urls)):
                 port = free_port()
-                fake = [sys.executable, "-m", "tandem.router.fake_worker", "--role", role]
+                fake = [sys.executable, str(FAKE_WORKER), "--role", role]
                 processes.append(start_process([*fake, "--port", str(port)]))
                 urls.append(f"http://127.0.0.1:{port}")
         if not prefill_urls or not decode_urls:

@@ -1,4 +1,4 @@
-"""What a new user meets first, through the router over fake workers (tandem.router.fake_worker,
+"""What a new user meets first, through the router over fake workers (tests/fake_worker.py,
 served in threads by test_router_flow's fixtures): long requests that are not cut, a wedged
 worker that still frees its requests, OpenAI errors for unknown routes, the workers' model list,
 vLLM's metric names; and `make serve`'s flags.

@@ -5,7 +5,7 @@ The supervisor's own tests run it in a thread over `python -c` children that ans
 told for each of their starts. The end-to-end ones run the launcher's real command lines
 (`python -m tandem.cli worker ...`), with a `tandem` package on PYTHONPATH in front of the real
 one whose only difference is its `tandem.server.cli`: its `worker` command serves
-tandem.router.fake_worker instead of an engine. The router and the launcher are the real ones.
+tests/fake_worker.py instead of an engine. The router and the launcher are the real ones.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from tandem.launcher.supervisor import Supervisor
 from worker_fixtures import free_port_block
 
 SRC = Path(tandem.__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent  # fake_worker.py
 
 FAKE_SERVER_CLI = '''
-"""A `tandem worker` that serves tandem.router.fake_worker."""
+"""A `tandem worker` that serves tests/fake_worker.py."""
 
 
 def add_parser(subparsers):
@@ -46,7 +47,7 @@ def add_parser(subparsers):
 
 def run(args):
     from tandem.access import api_key_from_env, cluster_token_from_env
-    from tandem.router.fake_worker import serve_fake_worker
+    from fake_worker import serve_fake_worker
 
     return serve_fake_worker(
         args.role,
@@ -85,7 +86,7 @@ class Launcher:
         argv += ["--port", str(self.port), "--worker-port-base", str(self.worker_port)]
         argv += ["--kv-port-base", str(kv_port), "--stop-timeout", "5", *args]
         env = dict(env if env is not None else os.environ)
-        env["PYTHONPATH"] = f"{fake_tandem}{os.pathsep}{SRC}"
+        env["PYTHONPATH"] = os.pathsep.join((str(fake_tandem), str(SRC), str(TESTS)))
         self.process = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

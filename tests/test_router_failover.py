@@ -1,6 +1,6 @@
 """A decode worker killed while requests stream through `tandem router`, all in real processes.
 
-The workers are fake (tandem.router.fake_worker: the completion of "a b" is " a b a b ...");
+The workers are fake (tests/fake_worker.py: the completion of "a b" is " a b a b ...");
 the router is the real command.
 """
 
@@ -23,6 +23,7 @@ import pytest
 import tandem
 
 SRC = str(Path(tandem.__file__).resolve().parents[1])
+TESTS = Path(__file__).resolve().parent  # fake_worker.py
 
 
 def free_port() -> int:
@@ -34,7 +35,7 @@ def free_port() -> int:
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     processes: list[subprocess.Popen[bytes]] = []
-    env = dict(os.environ, PYTHONPATH=SRC)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(SRC), str(TESTS))))
 
     def start(name: str, *args: str) -> subprocess.Popen[bytes]:
         log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
@@ -71,7 +72,7 @@ def both_workers_healthy(client: httpx.Client, router_url: str) -> bool:
 
 def test_killing_the_decode_worker_mid_stream(spawn):
     prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
-    fake = ("tandem.router.fake_worker", "--host", "127.0.0.1")
+    fake = ("fake_worker", "--host", "127.0.0.1")
     spawn("prefill", *fake, "--role", "prefill", "--port", str(prefill_port))
     decode_args = (*fake, "--role", "decode", "--port", str(decode_port), "--token-delay", "0.05")
     decode = spawn("decode", *decode_args)

@@ -1,4 +1,4 @@
-"""The router against fake workers (tandem.router.fake_worker) served in threads.
+"""The router against fake workers (tests/fake_worker.py) served in threads.
 
 The fake model echoes the prompt's words, so every expected completion here is worked out by
 hand: "a b c" with max_tokens=5 completes to " a b c a b".
@@ -20,9 +20,9 @@ import pytest
 import uvicorn
 
 import tandem
+from fake_worker import FakeControl, FakeStats, create_fake_worker
 from tandem.router.app import create_app
 from tandem.router.config import RouterConfig
-from tandem.router.fake_worker import FakeControl, FakeStats, create_fake_worker
 from tandem.router.registration import HeartbeatSender
 
 MODEL = "fake-model"

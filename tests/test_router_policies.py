@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from tandem.router.classify import is_single_prompt, prefill_leg_body, wants_one_token
 from tandem.router.policies import (
     LeastOutstandingPolicy,
     PrefixAwarePolicy,
@@ -11,7 +12,6 @@ from tandem.router.policies import (
     prefix_hashes,
     prompt_units,
 )
-from tandem.router.proxy import is_single_prompt, prefill_leg_body, wants_one_token
 from tandem.router.relay import iter_sse_data
 from tandem.router.workers import Worker
 
@@ -159,7 +159,7 @@ def handoff_proxy(prefill_policy: str, endpoints: dict[str, dict | None]):
 
 
 def stream_context():
-    from tandem.router.proxy import RequestContext
+    from tandem.router.dispatch import RequestContext
 
     return RequestContext("completions", {"prompt": "hi", "stream": True}, "id", True)
 
@@ -174,7 +174,7 @@ def test_the_handoff_prefill_worker_follows_the_prefill_policy():
         "http://decode-a": {"transport": "tcp", "handoff": True},
     }
     proxy = handoff_proxy("round-robin", endpoints)
-    chosen = [proxy._handoff_worker(stream_context(), []).url for _ in range(4)]
+    chosen = [proxy.flows.handoff_worker(stream_context(), []).url for _ in range(4)]
     assert chosen == ["http://prefill-a", "http://prefill-b"] * 2
 
 
@@ -184,21 +184,25 @@ def test_no_handoff_unless_every_prefill_worker_has_a_decode_worker_on_its_trans
         "http://decode-a": {"transport": "cuda-ipc", "handoff": True},
         "http://decode-b": None,  # a worker whose /health says nothing about KV (vLLM's)
     }
-    assert handoff_proxy("round-robin", endpoints)._handoff_worker(stream_context(), []) is None
+    assert (
+        handoff_proxy("round-robin", endpoints).flows.handoff_worker(stream_context(), []) is None
+    )
     endpoints["http://decode-c"] = {"transport": "tcp", "handoff": True}
     endpoints["http://prefill-b"] = None
-    assert handoff_proxy("round-robin", endpoints)._handoff_worker(stream_context(), []) is None
+    assert (
+        handoff_proxy("round-robin", endpoints).flows.handoff_worker(stream_context(), []) is None
+    )
 
 
 def test_the_prompt_is_hashed_only_when_the_prefill_policy_has_a_choice():
-    from tandem.router.proxy import RequestContext
+    from tandem.router.dispatch import RequestContext
 
     body = {"prompt": list(range(300)), "stream": True}
     ctx = RequestContext("completions", body, "id", True)
     endpoints = {"http://prefill-a": TCP_PREFILL, "http://decode-a": TCP_PREFILL}
-    assert handoff_proxy("prefix-aware", endpoints)._prefill_prefix(ctx) == []
+    assert handoff_proxy("prefix-aware", endpoints).flows.prefill_prefix(ctx) == []
     endpoints["http://prefill-b"] = TCP_PREFILL
     proxy = handoff_proxy("prefix-aware", endpoints)
     expected = prefix_hashes(tuple(range(300)), proxy.config.prefix_block_chars)
-    assert len(expected) > 1 and proxy._prefill_prefix(ctx) == expected
-    assert handoff_proxy("least-outstanding", endpoints)._prefill_prefix(ctx) == []
+    assert len(expected) > 1 and proxy.flows.prefill_prefix(ctx) == expected
+    assert handoff_proxy("least-outstanding", endpoints).flows.prefill_prefix(ctx) == []

@@ -96,6 +96,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode", type=int, metavar="N", help="decode workers (default 1)")
     parser.add_argument("--both", type=int, metavar="N", help="colocated workers (default 0)")
     parser.add_argument(
+        "--auto",
+        type=int,
+        metavar="N",
+        help="auto workers: prefill, decode or whole requests as the router's planner assigns "
+        "(default 0)",
+    )
+    parser.add_argument(
+        "--disaggregation",
+        choices=("always", "conditional"),
+        help="the router's: conditional serves short prompts whole (see tandem router --help)",
+    )
+    parser.add_argument(
         "--pd",
         type=int,
         metavar="N",
@@ -206,6 +218,8 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "roles.decode.count": args.decode,
         "roles.both.count": args.both,
         "roles.pd.count": args.pd,
+        "roles.auto.count": args.auto,
+        "router.disaggregation": args.disaggregation,
         "roles.prefill.engine.kv_transport": args.kv_transport,
         "roles.decode.engine.kv_transport": args.kv_transport,
         "roles.pd.engine.kv_transport": args.kv_transport,
@@ -278,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
     roles = spec.roles
     print(
         f"tandem serve: starting {spec.model} on {device}: {roles.prefill.count} prefill, "
-        f"{roles.decode.count} decode, {roles.both.count} both, {roles.pd.count} pd",
+        f"{roles.decode.count} decode, {roles.both.count} both, {roles.pd.count} pd, "
+        f"{roles.auto.count} auto",
         flush=True,
     )
     if cluster_token is None:

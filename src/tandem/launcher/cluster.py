@@ -8,22 +8,24 @@
       decode:  {count: 1, engine: {block_size: 16, kv_transport: tcp}}
       both:    {count: 0}
       pd:      {count: 0}          # servers over a prefill and a decode engine (--role pd)
+      auto:    {count: 0}          # prefill, decode or whole, as the router's planner assigns
     ports: {router: 8000, workers: 8100, kv: 8200}
-    router: {prefill_policy: prefix-aware}
+    router: {prefill_policy: prefix-aware, disaggregation: conditional,
+             max_local_prefill_length: 512, max_prefill_queue_tokens: 8192}
 
 Unknown keys are refused, and so is a cluster that cannot work; each refusal is one sentence
 that names the problem (`ClusterError`):
 * every role must serve the same model;
-* prefill and decode must agree on the KV layout (block_size, dtype) and transport;
+* prefill, decode and auto must agree on the KV layout (block_size, dtype) and transport;
 * prefill workers need decode workers to continue their requests, and decode workers need
-  prefill workers to feed them (colocated workers are role `both`);
+  prefill workers to feed them (colocated workers are role `both`); auto workers can be either;
 * decode workers need a kv_transport when there are prefill workers;
 * a pd server needs nothing beside it: the router sees it as a colocated worker;
 * the router, worker and KV port ranges must not overlap;
 * no secret: a cluster file is the kind of file that gets committed, so the cluster token and the
   API key come from `tandem serve`'s flags or environment, and a `cluster_token` key or an
   `extra_args` with `--cluster-token` or `--api-key` is refused.
-A prefill role without a kv_transport takes the decode role's.
+A prefill or auto role without a kv_transport takes the decode role's.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class RolesSpec(_Strict):
     decode: RoleSpec = RoleSpec()
     both: RoleSpec = RoleSpec()
     pd: RoleSpec = RoleSpec()
+    auto: RoleSpec = RoleSpec()
 
 
 WORKER_ROLES = tuple(RolesSpec.model_fields)  # in the order their workers are planned
@@ -103,7 +106,15 @@ class RouterSpec(_Strict):
     host: str = "127.0.0.1"
     allowed_origins: tuple[str, ...] = ()  # browser origins answered (CORS)
     prefill_policy: Literal["prefix-aware", "least-outstanding", "round-robin"] | None = None
-    decode_policy: Literal["least-outstanding", "round-robin"] | None = None
+    decode_policy: Literal["least-outstanding", "round-robin", "prefix-aware"] | None = None
+    # conditional disaggregation and the planner of auto workers: `tandem router`'s flags
+    disaggregation: Literal["always", "conditional"] | None = None
+    max_local_prefill_length: int | None = Field(default=None, ge=0)
+    max_prefill_queue_tokens: int | None = Field(default=None, ge=0)
+    planner_prefill_queue_high: int | None = Field(default=None, ge=0)
+    planner_prefill_queue_low: int | None = Field(default=None, ge=0)
+    planner_decode_kv_high: float | None = Field(default=None, ge=0, le=1)
+    planner_dwell_s: float | None = Field(default=None, ge=0)
     extra_args: tuple[str, ...] = ()
 
 
@@ -134,12 +145,13 @@ class ClusterSpec(_Strict):
     @property
     def num_workers(self) -> int:
         roles = self.roles
-        return roles.prefill.count + roles.decode.count + roles.both.count + roles.pd.count
+        return sum(getattr(roles, role).count for role in WORKER_ROLES)
 
     def engine_of(self, role: str) -> EngineSettings:
-        """The role's engine settings, with a prefill kv_transport defaulting to decode's."""
+        """The role's engine settings, with a prefill (or auto) kv_transport defaulting to
+        decode's."""
         engine = getattr(self.roles, role).engine
-        if role == "prefill" and engine.kv_transport is None:
+        if role in ("prefill", "auto") and engine.kv_transport is None:
             return engine.model_copy(update={"kv_transport": self.roles.decode.engine.kv_transport})
         return engine
 
@@ -148,17 +160,32 @@ def _describe(value: object) -> str:
     return "the worker default" if value is None else str(value)
 
 
+def _check_same_kv(spec: ClusterSpec, role: str, other: str) -> None:
+    """Auto workers exchange KV with `other`'s: one layout, one transport."""
+    for field in ("block_size", "dtype", "kv_transport"):
+        value, other_value = (
+            getattr(spec.engine_of(role), field),
+            getattr(spec.engine_of(other), field),
+        )
+        if value != other_value:
+            raise ClusterError(
+                f"roles.{role}.engine.{field} ({_describe(value)}) differs from "
+                f"roles.{other}.engine.{field} ({_describe(other_value)}); workers that hand KV "
+                "to each other must share one KV layout and transport."
+            )
+
+
 def check_cluster(spec: ClusterSpec) -> ClusterSpec:
     """Returns `spec` if it can work, else raises ClusterError naming the first problem."""
     roles = spec.roles
     counts = {name: getattr(roles, name).count for name in WORKER_ROLES}
     if sum(counts.values()) == 0:
         raise ClusterError("The cluster has no workers: give prefill, decode, both or pd a count.")
-    if counts["prefill"] and not counts["decode"]:
+    if counts["prefill"] and not counts["decode"] and not counts["auto"]:
         raise ClusterError(
             "The cluster has prefill workers but no decode worker to continue their requests."
         )
-    if counts["decode"] and not counts["prefill"]:
+    if counts["decode"] and not counts["prefill"] and not counts["auto"]:
         raise ClusterError(
             "The cluster has decode workers but no prefill worker to feed them; use role both "
             "for colocated workers."
@@ -170,7 +197,7 @@ def check_cluster(spec: ClusterSpec) -> ClusterSpec:
                 f"roles.{name} serves {spec.model_of(name)} but roles.{used[0]} serves "
                 f"{spec.model_of(used[0])}; every role must serve the same model."
             )
-    if counts["prefill"]:
+    if counts["prefill"] and counts["decode"]:
         decode = roles.decode.engine
         if decode.kv_transport is None:
             raise ClusterError(
@@ -186,6 +213,9 @@ def check_cluster(spec: ClusterSpec) -> ClusterSpec:
                     f"roles.decode.engine.{field} ({_describe(decode_value)}); prefill and decode "
                     "must share one KV layout and transport."
                 )
+    kv_roles = [name for name in ("prefill", "decode") if counts[name]]
+    if counts["auto"] and kv_roles:
+        _check_same_kv(spec, "auto", kv_roles[-1])
     transports = {spec.engine_of(name).kv_transport for name in used}
     if spec.device == "cpu" and "cuda-ipc" in transports:
         raise ClusterError("The cuda-ipc KV transport needs GPUs, but the device is cpu.")

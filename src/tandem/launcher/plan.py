@@ -1,7 +1,7 @@
 """What `tandem serve` runs: each process's command line and the environment they all share.
 
 Ports: workers take `worker_port_base + i`, and `kv_port_base + i` for their KV listener, in the
-order prefill, decode, both, pd. With GPUs, the workers take the GPUs in that order (mod the
+order prefill, decode, both, pd, auto. With GPUs, the workers take the GPUs in that order (mod the
 number of GPUs), one each as `--device cuda:i`, two for a pd server (`--device cuda:i
 --decode-device cuda:i+1`); every worker sees the same GPUs under the same indices, which CUDA
 IPC between them needs. The KV transport `auto` becomes cuda-ipc on GPUs (all workers share this
@@ -22,13 +22,24 @@ from dataclasses import dataclass
 from tandem.access import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from tandem.launcher.cluster import WORKER_ROLES, ClusterSpec
 
+# the router keys of a cluster file passed on as `tandem router --key-name value`
+ADAPTIVE_ROUTER_KEYS = (
+    "disaggregation",
+    "max_local_prefill_length",
+    "max_prefill_queue_tokens",
+    "planner_prefill_queue_high",
+    "planner_prefill_queue_low",
+    "planner_decode_kv_high",
+    "planner_dwell_s",
+)
+
 
 @dataclass(frozen=True)
 class ProcessPlan:
     name: str  # "prefill-0", ..., "router"
     argv: tuple[str, ...]
     url: str
-    role: str  # "prefill" | "decode" | "both" | "pd" | "router"
+    role: str  # "prefill" | "decode" | "both" | "pd" | "auto" | "router"
 
 
 def resolve_device(device: str) -> tuple[str, int]:
@@ -62,7 +73,7 @@ def plan_processes(
     """The workers, then the router, with their command lines (nothing is started)."""
     transport = "cuda-ipc" if device == "cuda" else "tcp"
     plans: list[ProcessPlan] = []
-    urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
+    urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": [], "auto": []}
     next_gpu = 0  # one GPU per worker, two per pd server (its prefill's, then its decode's)
     for role in WORKER_ROLES:
         for index in range(getattr(spec.roles, role).count):
@@ -92,13 +103,17 @@ def plan_processes(
     router = spec.router
     argv = [python, "-m", "tandem.cli", "router", "--host", router.host]
     argv += ["--port", str(spec.ports.router)]
-    for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--worker")):
+    flags = (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--worker"))
+    for role, flag in (*flags, ("auto", "--auto")):
         for url in urls[role]:
             argv += [flag, url]
     if router.prefill_policy:
         argv += ["--prefill-policy", router.prefill_policy]
     if router.decode_policy:
         argv += ["--decode-policy", router.decode_policy]
+    for name in ADAPTIVE_ROUTER_KEYS:
+        if (value := getattr(router, name)) is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
     if router.allowed_origins:
         argv += ["--allowed-origins", *router.allowed_origins]
     if device == "cuda":  # the workers' loops keep awake on GPUs: the router's does as long
@@ -112,10 +127,11 @@ def plan_processes(
 
 
 def expected_router_counts(plans: list[ProcessPlan]) -> dict[str, int]:
-    """The workers of `plans` by role, as the router's /health counts them."""
+    """The workers of `plans` by role, as the router's /health counts them at the start (an
+    auto worker starts on decode duty)."""
     counts = {"prefill": 0, "decode": 0, "both": 0}
     for plan in plans:
-        role = "both" if plan.role == "pd" else plan.role
+        role = {"pd": "both", "auto": "decode"}.get(plan.role, plan.role)
         if role in counts:
             counts[role] += 1
     return counts

@@ -16,7 +16,12 @@ from tandem.access import (
 )
 from tandem.http_options import add_http_arguments, check_http_args
 from tandem.limits import add_body_limit_arguments, body_limits_from_args
-from tandem.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
+from tandem.router.config import (
+    DECODE_POLICIES,
+    DISAGGREGATION_MODES,
+    PREFILL_POLICIES,
+    RouterConfig,
+)
 
 DEFAULTS = RouterConfig()
 
@@ -44,12 +49,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         help="colocated (role both) worker",
     )
+    workers.add_argument(
+        "--auto",
+        metavar="URL",
+        nargs="+",
+        action="extend",
+        default=[],
+        help="role auto worker: takes prefill legs, decode legs or whole requests, as the "
+        "planner assigns",
+    )
     policies = parser.add_argument_group("routing")
     policies.add_argument(
         "--prefill-policy", choices=PREFILL_POLICIES, default=DEFAULTS.prefill_policy
     )
     policies.add_argument(
-        "--decode-policy", choices=DECODE_POLICIES, default=DEFAULTS.decode_policy
+        "--decode-policy",
+        choices=DECODE_POLICIES,
+        default=DEFAULTS.decode_policy,
+        help="prefix-aware: KV-aware decode routing, to the decode worker that holds the "
+        "longest prefix of the prompt, unless it is too much busier than the least loaded one",
     )
     policies.add_argument(
         "--prefix-block-chars",
@@ -70,6 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="send every decode leg after its prefill leg (vLLM's flow), even to workers that "
         "take handoffs",
     )
+    add_adaptive_arguments(parser.add_argument_group("adaptive PD"))
     security = parser.add_argument_group("security")
     security.add_argument(
         "--api-key",
@@ -134,6 +153,67 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
+    """Conditional disaggregation and the planner of auto workers (decide.py, planner.py)."""
+    group.add_argument(
+        "--disaggregation",
+        choices=DISAGGREGATION_MODES,
+        default=DEFAULTS.disaggregation,
+        help="always: every request that allows it is disaggregated; conditional: a request "
+        "goes whole to its decode worker when its uncached prompt is short, or when the "
+        "prefill pool's queue is longer than the decode worker's",
+    )
+    group.add_argument(
+        "--max-local-prefill-length",
+        type=int,
+        default=DEFAULTS.max_local_prefill_length,
+        metavar="TOKENS",
+        help="conditional: a prompt with at most this many uncached tokens (the router's "
+        "estimate) is prefilled on its decode worker",
+    )
+    group.add_argument(
+        "--max-prefill-queue-tokens",
+        type=int,
+        default=DEFAULTS.max_prefill_queue_tokens,
+        metavar="TOKENS",
+        help="conditional: a queue (prompt tokens waiting on a worker) this long is full: a "
+        "longer prompt is prefilled locally while the prefill pool's queue is full and "
+        "longer than the decode worker's, and a short one is sent to the prefill pool while "
+        "the decode worker's is",
+    )
+    group.add_argument(
+        "--planner-prefill-queue-high",
+        type=int,
+        default=DEFAULTS.planner_prefill_queue_high,
+        metavar="TOKENS",
+        help="auto workers: tokens waiting per prefilling worker above which one more auto "
+        "worker prefills",
+    )
+    group.add_argument(
+        "--planner-prefill-queue-low",
+        type=int,
+        default=DEFAULTS.planner_prefill_queue_low,
+        metavar="TOKENS",
+        help="auto workers: tokens waiting per prefill worker below which an auto worker goes "
+        "back to decoding",
+    )
+    group.add_argument(
+        "--planner-decode-kv-high",
+        type=float,
+        default=DEFAULTS.planner_decode_kv_high,
+        metavar="FRACTION",
+        help="auto workers: the decode workers' KV cache use above which an auto worker goes "
+        "back to decoding and none leaves it",
+    )
+    group.add_argument(
+        "--planner-dwell-s",
+        type=float,
+        default=DEFAULTS.planner_dwell_s,
+        metavar="SECONDS",
+        help="auto workers: the least time between two duty changes",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=args.host,
@@ -141,6 +221,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_urls=tuple(args.prefill),
         decode_urls=tuple(args.decode),
         both_urls=tuple(args.worker),
+        auto_urls=tuple(args.auto),
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         api_key=args.api_key,
@@ -156,6 +237,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefix_block_chars=args.prefix_block_chars,
         prefix_balance_threshold=args.prefix_balance_threshold,
         handoff=not args.no_handoff,
+        disaggregation=args.disaggregation,
+        max_local_prefill_length=args.max_local_prefill_length,
+        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
+        planner_prefill_queue_high=args.planner_prefill_queue_high,
+        planner_prefill_queue_low=args.planner_prefill_queue_low,
+        planner_decode_kv_high=args.planner_decode_kv_high,
+        planner_dwell_s=args.planner_dwell_s,
         busy_poll_s=args.busy_poll_s,
         body_limits=body_limits_from_args(args),
         log_level=args.log_level,

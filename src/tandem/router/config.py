@@ -11,11 +11,14 @@ from typing import Literal
 
 from tandem.limits import BodyLimits
 
-Role = Literal["prefill", "decode", "both"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+# auto: a worker that serves prefill legs, decode legs and whole requests; the planner says
+# which of them it takes now (planner.py)
+Role = Literal["prefill", "decode", "both", "auto"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both", "auto")
+DISAGGREGATION_MODES = ("always", "conditional")
 
 PREFILL_POLICIES = ("prefix-aware", "least-outstanding", "round-robin")
-DECODE_POLICIES = ("least-outstanding", "round-robin")
+DECODE_POLICIES = ("least-outstanding", "round-robin", "prefix-aware")
 
 
 def normalize_url(url: str) -> str:
@@ -33,6 +36,7 @@ class RouterConfig:
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
     both_urls: tuple[str, ...] = ()
+    auto_urls: tuple[str, ...] = ()
     prefill_policy: str = "prefix-aware"
     decode_policy: str = "least-outstanding"
     api_key: str | None = None  # what clients must send
@@ -55,6 +59,20 @@ class RouterConfig:
     # and how many more outstanding requests a cache hit may have than the least loaded worker.
     prefix_block_chars: int = 64
     prefix_balance_threshold: int = 16
+    # Conditional disaggregation (decide.py): `always` disaggregates every body that allows it;
+    # `conditional` prefills on the decode worker a prompt of at most `max_local_prefill_length`
+    # uncached tokens, and keeps a longer one local while the prefill pool's shortest queue
+    # holds more than `max_prefill_queue_tokens` tokens and the decode worker's holds fewer.
+    disaggregation: str = "always"
+    max_local_prefill_length: int = 512
+    max_prefill_queue_tokens: int = 8192
+    # The planner of `auto` workers (planner.py): tokens waiting per worker above which one more
+    # auto worker prefills, below which one goes back to decoding; the decode side's KV cache
+    # use above which none leaves it; the least time between two role changes.
+    planner_prefill_queue_high: int = 4096
+    planner_prefill_queue_low: int = 512
+    planner_decode_kv_high: float = 0.8
+    planner_dwell_s: float = 5.0
     # Streamed PD requests send both legs at once where the workers take handoffs.
     handoff: bool = True
     # How long the router's loop keeps polling without sleeping after its last request (0: off).
@@ -70,13 +88,19 @@ class RouterConfig:
         return self.cluster_token or self.api_key
 
     def __post_init__(self) -> None:
-        for name in ("prefill_urls", "decode_urls", "both_urls"):
+        for name in ("prefill_urls", "decode_urls", "both_urls", "auto_urls"):
             urls = tuple(dict.fromkeys(normalize_url(url) for url in getattr(self, name)))
             object.__setattr__(self, name, urls)
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"unknown prefill policy {self.prefill_policy!r}")
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"unknown decode policy {self.decode_policy!r}")
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"unknown disaggregation mode {self.disaggregation!r}")
+        if self.max_local_prefill_length < 0 or self.max_prefill_queue_tokens < 0:
+            raise ValueError("the conditional disaggregation thresholds must be 0 or more")
+        if not 0 <= self.planner_prefill_queue_low <= self.planner_prefill_queue_high:
+            raise ValueError("planner_prefill_queue_low must be between 0 and the high mark")
         if self.busy_poll_s < 0:
             raise ValueError("busy_poll_s must be 0 or more")
         if self.max_attempts < 1:

@@ -118,10 +118,39 @@ class RouterMetrics:
             registry=self.registry,
         )
 
+        self.pd_decisions = Counter(
+            "tandem_router_pd_decisions",
+            "How each request that could be disaggregated was served (decision: disaggregated "
+            "or whole), and why (decide.py).",
+            ["decision", "reason"],
+            registry=self.registry,
+        )
+        self.decode_prefix_tokens = Counter(
+            "tandem_router_decode_prefix_tokens",
+            "Prompt tokens (estimated) that the chosen decode worker holds already (hit) or not "
+            "(miss), as the router's record of the prompts it sent each worker has it.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.auto_duty = Gauge(
+            "tandem_router_auto_worker_duty",
+            "1 for the duty an auto worker has now (prefill, or decode and whole requests).",
+            ["worker", "duty"],
+            registry=self.registry,
+        )
+        self.role_changes = Counter(
+            "tandem_router_role_changes",
+            "Duty changes of auto workers made by the planner, by the duty taken up.",
+            ["duty"],
+            registry=self.registry,
+        )
+
     def forget_worker(self, url: str, role: str) -> None:
-        for gauge in (self.outstanding, self.healthy):
+        labels = [(self.outstanding, role), (self.healthy, role)]
+        labels += [(self.auto_duty, duty) for duty in ("prefill", "decode")]
+        for gauge, label in labels:
             try:
-                gauge.remove(url, role)
+                gauge.remove(url, label)
             except KeyError:
                 pass
 

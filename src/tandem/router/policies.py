@@ -11,10 +11,12 @@ up to its block end:
     prompt    |<- block 0 ->|<- block 1 ->|<- block 2 ->|<- tail ->|
     hashes    h0 = H(0, b0)  h1 = H(h0, b1) h2 = H(h1, b2) h3 = H(h2, tail)
 
-Each worker keeps an LRU set of the hashes of the prompts it was sent. A prompt goes to the worker
-matching the longest run of its leading hashes, unless that worker has more than
-`balance_threshold` more requests in flight than the least loaded one; with no match it goes to
-the least loaded worker. Hashes use Python's `hash`, which is stable within the router process.
+A `PrefixIndex` keeps, per worker, an LRU set of the hashes of the prompts it was sent (the
+prefill pool has one, the decode pool another: KV-aware decode routing and the conditional
+decision's estimate of what a decode worker holds read it). A prompt goes to the worker matching
+the longest run of its leading hashes among those with at most `balance_threshold` more requests
+in flight than the least loaded one; with no match there, to the least loaded worker. Hashes use
+Python's `hash`, which is stable within the router process.
 """
 
 from __future__ import annotations
@@ -71,6 +73,34 @@ def prefix_hashes(
     return hashes
 
 
+class PrefixIndex:
+    """Per worker, the block hashes of the prompts the router sent it, least recent evicted."""
+
+    def __init__(self, capacity_blocks: int = 1 << 16) -> None:
+        self._capacity_blocks = capacity_blocks
+        self._cached: dict[str, OrderedDict[int, None]] = {}
+
+    def matched_blocks(self, worker: Worker, prefix: Sequence[int]) -> int:
+        """How many of the leading block hashes of `prefix` the worker was sent before."""
+        cached = self._cached.get(worker.url)
+        if not cached:
+            return 0
+        matched = 0
+        for block_hash in prefix:
+            if block_hash not in cached:
+                break
+            matched += 1
+        return matched
+
+    def remember(self, worker: Worker, prefix: Sequence[int]) -> None:
+        cached = self._cached.setdefault(worker.url, OrderedDict())
+        for block_hash in prefix:
+            cached[block_hash] = None
+            cached.move_to_end(block_hash)
+        while len(cached) > self._capacity_blocks:
+            cached.popitem(last=False)
+
+
 class Policy(ABC):
     uses_prefix: bool = False
 
@@ -110,58 +140,52 @@ class LeastOutstandingPolicy(Policy):
         return worker
 
 
+class PreferredPolicy(Policy):
+    """The worker chosen beforehand while it may take the leg; else `fallback`'s choice."""
+
+    def __init__(self, preferred: Worker, fallback: Policy) -> None:
+        self.preferred = preferred
+        self.fallback = fallback
+
+    def choose(self, candidates: Sequence[Worker], prefix: Sequence[int]) -> Worker:
+        if self.preferred in candidates:
+            return self.preferred
+        return self.fallback.choose(candidates, prefix)
+
+
 class PrefixAwarePolicy(Policy):
     uses_prefix = True
 
-    def __init__(self, balance_threshold: int, capacity_blocks: int = 1 << 16) -> None:
+    def __init__(self, balance_threshold: int, index: PrefixIndex | None = None) -> None:
         self._balance_threshold = balance_threshold
-        self._capacity_blocks = capacity_blocks
         self._least_outstanding = LeastOutstandingPolicy()
-        self._cached: dict[str, OrderedDict[int, None]] = {}
-
-    def _matched_blocks(self, worker: Worker, prefix: Sequence[int]) -> int:
-        cached = self._cached.get(worker.url)
-        if not cached:
-            return 0
-        matched = 0
-        for block_hash in prefix:
-            if block_hash not in cached:
-                break
-            matched += 1
-        return matched
-
-    def _remember(self, worker: Worker, prefix: Sequence[int]) -> None:
-        cached = self._cached.setdefault(worker.url, OrderedDict())
-        for block_hash in prefix:
-            cached[block_hash] = None
-            cached.move_to_end(block_hash)
-        while len(cached) > self._capacity_blocks:
-            cached.popitem(last=False)
+        self.index = index or PrefixIndex()
 
     def choose(self, candidates: Sequence[Worker], prefix: Sequence[int]) -> Worker:
-        fewest = min(worker.outstanding for worker in candidates)
+        # only workers within the balance threshold of the least loaded one compete on matches
+        most = min(worker.outstanding for worker in candidates) + self._balance_threshold
         best, best_matched = None, 0
         for worker in candidates:
-            matched = self._matched_blocks(worker, prefix)
+            if worker.outstanding > most:
+                continue
+            matched = self.index.matched_blocks(worker, prefix)
             if matched > best_matched or (
                 best is not None
                 and matched == best_matched
                 and worker.outstanding < best.outstanding
             ):
                 best, best_matched = worker, matched
-        if best is not None and best.outstanding <= fewest + self._balance_threshold:
-            chosen = best
-        else:
-            chosen = self._least_outstanding.choose(candidates, prefix)
-        self._remember(chosen, prefix)
+        chosen = best or self._least_outstanding.choose(candidates, prefix)
+        self.index.remember(chosen, prefix)
         return chosen
 
 
-def make_policy(name: str, balance_threshold: int) -> Policy:
+def make_policy(name: str, balance_threshold: int, index: PrefixIndex | None = None) -> Policy:
+    """The policy `name`; a prefix-aware one reads and fills `index` (a new one if None)."""
     if name == "round-robin":
         return RoundRobinPolicy()
     if name == "least-outstanding":
         return LeastOutstandingPolicy()
     if name == "prefix-aware":
-        return PrefixAwarePolicy(balance_threshold)
+        return PrefixAwarePolicy(balance_threshold, index)
     raise ValueError(f"unknown routing policy {name!r}")

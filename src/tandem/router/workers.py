@@ -23,6 +23,11 @@ Every worker, static or registered, enters the pool only through a passing healt
 router runs one round before it serves, and checks a registering worker at once (a heartbeat
 from a worker out of the pool triggers another check), so registration is discovery, never a
 claim of health. All state is touched from the router's event loop only.
+
+A tandem worker's health answer carries its load report (`WorkerLoad`: requests running and
+waiting, prompt tokens waiting to be computed, KV blocks in use), at most a health interval old;
+an `auto` worker's current duty (`assigned`: prefill, or decode and whole requests) is the
+planner's, set after each health round (planner.py).
 """
 
 from __future__ import annotations
@@ -39,8 +44,27 @@ import aiohttp
 
 from tandem.router.config import ROLES, Role, RouterConfig, normalize_url
 from tandem.router.metrics import RouterMetrics
+from tandem.router.planner import Planner
 
 logger = logging.getLogger("tandem.router")
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load report (the `load` object of its /health answer)."""
+
+    requests_running: int = 0
+    requests_waiting: int = 0
+    tokens_waiting: int = 0  # prompt tokens admitted and not yet computed (its prefill queue)
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+NO_LOAD = WorkerLoad()  # a worker that reports none (vLLM's) counts as idle
 
 
 @dataclass
@@ -60,6 +84,10 @@ class Worker:
     # the worker's /v1/models entries (id, created, max_model_len, ...), read when it enters
     # the pool
     model_cards: list[dict[str, Any]] | None = None
+    load: WorkerLoad = NO_LOAD
+    # an auto worker's duty now: "prefill" (prefill legs) or "decode" (decode legs and whole
+    # requests); None for the other roles
+    assigned: Role | None = None
     unanswered_since: float | None = None  # when its health checks began to go unanswered
     _lost: asyncio.Future[str] | None = field(default=None, repr=False)
 
@@ -76,13 +104,20 @@ class Worker:
         self._lost = None
 
     @property
+    def serving_role(self) -> Role:
+        """The role the router treats this worker as now: its own, or an auto worker's duty."""
+        if self.role == "auto":
+            return self.assigned or "decode"
+        return self.role
+
+    @property
     def takes_handoffs(self) -> bool:
         """A decode worker that can wait for a handoff, or a prefill worker that announces
         them on its KV server."""
         endpoint = self.kv_endpoint or {}
         if not endpoint.get("handoff"):
             return False
-        if self.role == "prefill":
+        if self.serving_role == "prefill":
             return isinstance(endpoint.get("host"), str) and isinstance(endpoint.get("port"), int)
         return True
 
@@ -90,10 +125,12 @@ class Worker:
         return {
             "url": self.url,
             "role": self.role,
+            "assigned": self.assigned,
             "model": self.model,
             "static": self.static,
             "healthy": self.healthy,
             "outstanding": self.outstanding,
+            "load": vars(self.load),
         }
 
 
@@ -108,15 +145,33 @@ def kv_endpoint_of(health_body: bytes) -> dict[str, Any] | None:
     return endpoint
 
 
+def load_of(health_body: bytes) -> WorkerLoad:
+    """The load report of a tandem worker's /health answer; NO_LOAD without a valid one."""
+    try:
+        report = json.loads(health_body).get("load")
+    except (ValueError, AttributeError):
+        return NO_LOAD
+    if not isinstance(report, dict):
+        return NO_LOAD
+    fields = {
+        name: value
+        for name in WorkerLoad.__dataclass_fields__
+        if isinstance(value := report.get(name), int) and value >= 0
+    }
+    return WorkerLoad(**fields)
+
+
 class WorkerPool:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
         self._config = config
         self._metrics = metrics
         self._workers: dict[str, Worker] = {}
+        self.planner = Planner(config, metrics)
         for role, urls in (
             ("prefill", config.prefill_urls),
             ("decode", config.decode_urls),
             ("both", config.both_urls),
+            ("auto", config.auto_urls),
         ):
             for url in urls:
                 self._add(Worker(url=url, role=role, static=True))
@@ -137,7 +192,7 @@ class WorkerPool:
         worker = self._workers.get(url)
         if worker is not None and worker.role != role:
             self._metrics.forget_worker(worker.url, worker.role)
-            worker.role = role
+            worker.role, worker.assigned = role, None
         if worker is None:
             worker = Worker(url=url, role=role, static=False)
             self._workers[url] = worker
@@ -177,21 +232,22 @@ class WorkerPool:
         return list(self._workers.values())
 
     def available(self, roles: Iterable[Role], exclude: Iterable[str] = ()) -> list[Worker]:
-        """Workers in the pool with one of `roles`, minus the URLs in `exclude`."""
+        """Workers in the pool serving one of `roles` now (an auto worker: its duty), minus the
+        URLs in `exclude`."""
         deadline = time.monotonic() - self._config.heartbeat_timeout_s
         excluded = set(exclude)
         return [
             worker
             for worker in self._workers.values()
-            if worker.role in roles
+            if worker.serving_role in roles
             and worker.healthy
             and (worker.static or worker.last_heartbeat >= deadline)
             and worker.url not in excluded
         ]
 
     def counts(self) -> dict[str, int]:
-        """Workers in the pool, by role."""
-        return {role: len(self.available((role,))) for role in ROLES}
+        """Workers in the pool, by the role they serve now (an auto worker: its duty)."""
+        return {role: len(self.available((role,))) for role in ("prefill", "decode", "both")}
 
     def models(self) -> list[str]:
         seen = (worker.model for worker in self.available(ROLES) if worker.model)
@@ -270,7 +326,9 @@ class WorkerPool:
             async with session.get(worker.url + "/health", timeout=timeout) as response:
                 ok = response.status == 200
                 if ok:
-                    worker.kv_endpoint = kv_endpoint_of(await response.read())
+                    answer = await response.read()
+                    worker.kv_endpoint = kv_endpoint_of(answer)
+                    worker.load = load_of(answer)
             if ok and (worker.model_cards is None or not worker.healthy):
                 await self._read_models(session, worker, timeout)
         except aiohttp.ClientConnectorError as exc:  # refused: draining, or dead
@@ -307,10 +365,12 @@ class WorkerPool:
                 )
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
-        """One health round: expire silent registered workers, then check every known one."""
+        """One health round: expire silent registered workers, check every known one, then let
+        the planner assign the auto workers' duties from the fresh load reports."""
         self._expire_silent()
         workers = list(self._workers.values())
         await asyncio.gather(*(self.check(session, worker) for worker in workers))
+        self.planner.plan(self.available(ROLES))
 
     async def run_health_checks(self, session: aiohttp.ClientSession) -> None:
         while True:

@@ -2,7 +2,8 @@
 
 It stands in for `tandem worker` wherever the router must run without an engine: the router's
 and the launcher's tests, and `benchmarks/router_overhead.py --fake-workers`, which measures the
-router's own cost against workers that answer at once.
+router's own cost against workers that answer at once. Run it with
+`python tests/fake_worker.py --role prefill|decode|both --port P`.
 
 Its "model" echoes words: the completion of a prompt is the prompt's words in order, cycled, one
 word (with a leading space) per token, until `max_tokens` (default 16), or until the next word is
@@ -13,15 +14,17 @@ last message's content.
 Legs are told apart by `kv_transfer_params` (prefill: `do_remote_decode`, decode:
 `do_remote_prefill`, plain: none), and the role is strict so misrouting fails loudly: a prefill
 worker takes prefill legs only, a decode worker decode legs and plain requests, a both worker
-plain requests only. A prefill leg must have the protocol's shape (stream false, max_tokens 1, no
-stream_options, n 1; min_tokens at most 1, as vllm-router sends it); a decode leg's
-kv_transfer_params must match its prompt.
+plain requests only, an auto worker all three. A prefill leg must have the protocol's shape
+(stream false, max_tokens 1, no stream_options, n 1; min_tokens at most 1, as vllm-router sends
+it); a decode leg's kv_transfer_params must match its prompt. A decode leg told
+`first_token_sent` streams no text for the first token but what a stop string's hold-back kept
+out of the client's first chunk (tandem.pd.text), as a tandem decode worker does.
 
 Test hooks: `GET /fake/stats` (the requests seen, leases released, streams and answers aborted),
-`POST /fake/control` (health status, refusal status, delays, exit). A delay of the whole answers
-(`answer_delay_s`) makes a long generation; one of `/health` (`health_delay_s`) longer than the
-router's health timeout makes a wedged worker. With an API key it wants the key
-as a tandem worker does (the test hooks stay open).
+`POST /fake/control` (health status, refusal status, delays, the load report /health carries,
+exit). A delay of the whole answers (`answer_delay_s`) makes a long generation; one of `/health`
+(`health_delay_s`) longer than the router's health timeout makes a wedged worker. With an API
+key it wants the key as a tandem worker does (the test hooks stay open).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.access import OPEN_PATHS, api_key_from_env, guard
+from tandem.pd.text import shown_first_text, stop_hold_back
 
 EOS_WORD = "STOP"
 DEFAULT_MAX_TOKENS = 16
@@ -80,6 +84,7 @@ class FakeControl:
     prefill_delay_s: float = 0.0
     answer_delay_s: float = 0.0  # before a whole (non-streamed) decode or plain answer
     health_delay_s: float = 0.0
+    load: dict[str, int] | None = None  # the load report its /health carries, if any
 
 
 @dataclass
@@ -114,7 +119,12 @@ def create_fake_worker(
 
     def check_leg(kind: str, body: dict[str, Any], words: list[str]) -> str | None:
         """Why this worker must refuse the leg, or None."""
-        allowed = {"prefill": ("prefill",), "decode": ("decode", "plain"), "both": ("plain",)}
+        allowed = {
+            "prefill": ("prefill",),
+            "decode": ("decode", "plain"),
+            "both": ("plain",),
+            "auto": ("prefill", "decode", "plain"),
+        }
         if kind not in allowed[role]:
             return f"a {role} worker got a {kind} request"
         if kind == "prefill":
@@ -198,13 +208,20 @@ def create_fake_worker(
             return f"data: {_dumps(payload)}\n\n"
 
         finished = False
+        streamed = list(pieces)
+        if streamed and (body.get("kv_transfer_params") or {}).get("first_token_sent"):
+            hold_back = stop_hold_back(
+                body.get("stop"), bool(body.get("include_stop_str_in_output"))
+            )
+            streamed[0] = streamed[0][len(shown_first_text(streamed[0], hold_back)) :]
         try:
             if endpoint == "chat":
                 yield chunk("", None, role=True)
-            for piece in pieces:
+            for piece in streamed:
                 if control.token_delay_s:
                     await asyncio.sleep(control.token_delay_s)
-                yield chunk(piece, None)
+                if piece:
+                    yield chunk(piece, None)
             yield chunk(None, finish)
             if (body.get("stream_options") or {}).get("include_usage"):
                 object_name = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
@@ -304,7 +321,10 @@ def create_fake_worker(
     @app.get("/health")
     async def health() -> Response:
         await asyncio.sleep(control.health_delay_s)
-        return JSONResponse({"role": role}, control.health_status)
+        answer: dict[str, Any] = {"role": role}
+        if control.load is not None:
+            answer["load"] = control.load
+        return JSONResponse(answer, control.health_status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -343,7 +363,7 @@ def _dumps(payload: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A model-free tandem worker for tests.")
-    parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    parser.add_argument("--role", choices=("prefill", "decode", "both", "auto"), default="both")
     parser.add_argument("--model", default="fake-model")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)

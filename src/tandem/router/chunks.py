@@ -1,0 +1,127 @@
+"""The OpenAI stream chunks the router writes itself, and its rewrite of a decode stream's.
+
+In a PD flow the client's stream is made of two workers' answers: its first chunk is built from
+the prefill leg's answer (`first_chunk`, or the whole stream with `prefill_only_chunks` when the
+prefill answers the request alone), the rest is the decode leg's stream rewritten by
+`DecodeChunks`: the router's request id, no second `role`, and the first token's entries (its
+id with return_token_ids, its logprob) cut by position, as the client has them already. The
+decode worker sends no text for the first token (it was told `first_token_sent`), so no text is
+ever cut here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tandem.router.relay import DONE_EVENT, sse_event
+
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
+def chunk(
+    endpoint: str,
+    request_id: str,
+    answer: dict[str, Any],
+    text: str,
+    finish_reason: str | None,
+    *,
+    delta: dict[str, Any],
+) -> dict[str, Any]:
+    """A stream chunk of one choice for a request whose prefill leg answered `answer`."""
+    if endpoint == "chat":
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+        object_name = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None}
+        object_name = "text_completion"
+    choice["finish_reason"] = finish_reason
+    return {
+        "id": request_id,
+        "object": object_name,
+        "created": answer.get("created", int(time.time())),
+        "model": answer.get("model"),
+        "choices": [choice],
+    }
+
+
+def first_chunk(endpoint: str, request_id: str, answer: dict[str, Any], text: str) -> bytes:
+    """The first token's event: `text`, and its logprobs and id from the prefill's answer."""
+    event = chunk(
+        endpoint, request_id, answer, text, None, delta={"role": "assistant", "content": text}
+    )
+    prefill_choice = answer["choices"][0]
+    message = prefill_choice.get("message") or {}
+    for field in REASONING_FIELDS:  # a reasoning parser's split of the first token's text
+        if endpoint == "chat" and message.get(field):
+            event["choices"][0]["delta"][field] = message[field]
+    event["choices"][0]["logprobs"] = prefill_choice.get("logprobs")
+    if "token_ids" in prefill_choice:  # the client asked for return_token_ids
+        event["choices"][0]["token_ids"] = prefill_choice["token_ids"]
+    return sse_event(event)
+
+
+def prefill_only_chunks(
+    endpoint: str, request_id: str, answer: dict[str, Any], text: str, include_usage: bool
+) -> list[bytes]:
+    """A whole streamed answer made from the prefill leg's answer alone."""
+    finish_reason = answer["choices"][0].get("finish_reason")
+    events = [
+        first_chunk(endpoint, request_id, answer, text),
+        sse_event(chunk(endpoint, request_id, answer, "", finish_reason, delta={})),
+    ]
+    if include_usage:
+        usage_chunk = chunk(endpoint, request_id, answer, "", None, delta={})
+        usage_chunk["choices"] = []
+        usage_chunk["usage"] = answer.get("usage")
+        events.append(sse_event(usage_chunk))
+    events.append(DONE_EVENT)
+    return events
+
+
+class DecodeChunks:
+    """Rewrites a decode stream's chunks, in order, for the client (see the module's text)."""
+
+    def __init__(self, endpoint: str, request_id: str) -> None:
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.first_id_left = True
+        self.first_logprob_left = True
+
+    def rewrite(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        """The chunk for the client, or None when nothing is left of it."""
+        event["id"] = self.request_id
+        choices = event.get("choices") or []
+        for choice in choices:
+            holder = choice if self.endpoint == "completions" else (choice.get("delta") or {})
+            holder.pop("role", None)
+            if self.first_id_left and choice.get("token_ids"):
+                choice["token_ids"] = choice["token_ids"][1:]
+                self.first_id_left = False
+            if self.first_logprob_left and choice.get("logprobs"):
+                choice["logprobs"] = without_first_logprob(choice["logprobs"])
+                self.first_logprob_left = False
+        if choices and not event.get("usage") and all(map(self._is_empty, choices)):
+            return None
+        return event
+
+    def _is_empty(self, choice: dict[str, Any]) -> bool:
+        """True for a choice that carries nothing for the client."""
+        if (
+            choice.get("finish_reason") is not None
+            or choice.get("logprobs")
+            or choice.get("token_ids")
+        ):
+            return False
+        if self.endpoint == "completions":
+            return not choice.get("text")
+        return not any((choice.get("delta") or {}).values())
+
+
+def without_first_logprob(logprobs: dict[str, Any]) -> dict[str, Any] | None:
+    """A chunk's logprobs less the first token's entry (chat: `content`; completions: the
+    parallel lists); None once none is left."""
+    lists = {key: value[1:] for key, value in logprobs.items() if isinstance(value, list)}
+    if not any(lists.values()):
+        return None
+    return dict(logprobs, **lists)

@@ -1,0 +1,74 @@
+"""Conditional disaggregation: serve a request disaggregated, or whole on its decode worker.
+
+Dynamo's conditional disaggregation and llm-d's decider, on the router's own estimates. The
+inputs are the prompt's uncached length (its tokens, less the prefix the chosen decode worker
+holds as far as the router knows: the block hashes of the prompts it sent that worker), the
+prefill pool's queue (the least tokens waiting among the prefill workers, from their load
+reports) and the decode worker's own queue (its tokens waiting: prefills it runs itself):
+
+    uncached <= max_local_prefill_length (a short prompt)
+        whole on the decode worker            short_prompt
+        unless its queue > max_prefill_queue_tokens and the prefill queue is shorter:
+        disaggregated                         decode_busy
+    a longer prompt
+        disaggregated                         long_prompt
+        unless the prefill queue > max_prefill_queue_tokens and the decode worker's is
+        shorter: whole                        prefill_queue_full
+
+A prompt the router cannot read is disaggregated (`unknown_prompt`), as in the `always` mode.
+The router has no tokenizer: a text prompt counts one token per `CHARS_PER_TOKEN` characters, a
+token prompt its ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.router.config import RouterConfig
+from tandem.router.workers import Worker
+
+CHARS_PER_TOKEN = 4  # English text in the BPE vocabularies of the models served
+
+
+@dataclass(frozen=True)
+class Decision:
+    disaggregate: bool
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return "disaggregated" if self.disaggregate else "whole"
+
+
+def estimated_tokens(units: str | tuple[int, ...], num_units: int) -> int:
+    """`num_units` characters (or ids) of `units` as tokens, rounded up."""
+    per_token = 1 if isinstance(units, tuple) else CHARS_PER_TOKEN
+    return -(-num_units // per_token)
+
+
+def cached_units(units: str | tuple[int, ...], matched_blocks: int, block_len: int) -> int:
+    """The prompt's characters (or ids) in its first `matched_blocks` hashed blocks."""
+    return min(len(units), matched_blocks * block_len)
+
+
+def decide(
+    config: RouterConfig,
+    uncached_tokens: int | None,
+    prefill_workers: Sequence[Worker],
+    decode_worker: Worker,
+) -> Decision:
+    """How to serve a request whose prompt has `uncached_tokens` (None: unknown) on
+    `decode_worker`; `prefill_workers` (not empty) are those that could prefill it."""
+    if uncached_tokens is None:
+        return Decision(True, "unknown_prompt")
+    prefill_queue = min(worker.load.tokens_waiting for worker in prefill_workers)
+    local_queue = decode_worker.load.tokens_waiting
+    limit = config.max_prefill_queue_tokens
+    if uncached_tokens <= config.max_local_prefill_length:
+        if local_queue > limit and prefill_queue < local_queue:
+            return Decision(True, "decode_busy")
+        return Decision(False, "short_prompt")
+    if prefill_queue > limit and local_queue < prefill_queue:
+        return Decision(False, "prefill_queue_full")
+    return Decision(True, "long_prompt")

@@ -1,0 +1,343 @@
+"""Adaptive PD in the router: conditional disaggregation, KV-aware decode routing, auto workers.
+
+The decisions are checked twice: as functions of workers' load reports (decide.py, planner.py),
+and end to end through the router against fake workers (tests/fake_worker.py) whose /health
+carries the load report a test sets. The fake model echoes the prompt's words, so a completion's
+text is known in advance whichever flow served it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from fake_worker import FakeControl, create_fake_worker
+from tandem.launcher.cluster import ClusterError, parse_cluster
+from tandem.launcher.plan import expected_router_counts, plan_processes
+from tandem.router.app import create_app
+from tandem.router.config import RouterConfig
+from tandem.router.decide import decide
+from tandem.router.metrics import RouterMetrics
+from tandem.router.planner import Planner
+from tandem.router.policies import PrefixAwarePolicy, PrefixIndex, prefix_hashes
+from tandem.router.workers import NO_LOAD, Worker, WorkerLoad, load_of
+from test_router_flow import (
+    MODEL,
+    Fake,
+    ThreadServer,
+    completion_text,
+    metric_samples,
+    stop_all,
+    stream,
+    wait_for,
+)
+
+CONDITIONAL = RouterConfig(
+    disaggregation="conditional", max_local_prefill_length=100, max_prefill_queue_tokens=1000
+)
+
+
+def worker(url: str, role: str = "decode", tokens_waiting: int = 0, **load: int) -> Worker:
+    return Worker(url=url, role=role, load=WorkerLoad(tokens_waiting=tokens_waiting, **load))
+
+
+# ---- the decisions, from load reports -----------------------------------------------------
+
+
+def test_load_reports_are_read_from_health_answers():
+    body = b'{"status": "ok", "load": {"tokens_waiting": 70, "kv_blocks_used": 3, '
+    body += b'"kv_blocks_total": 12, "requests_running": "many", "requests_waiting": -1}}'
+    load = load_of(body)
+    assert load == WorkerLoad(tokens_waiting=70, kv_blocks_used=3, kv_blocks_total=12)
+    assert load.kv_usage == 0.25
+    assert load_of(b'{"role": "decode"}') is NO_LOAD  # vLLM's workers report none
+    assert load_of(b"not json") is NO_LOAD and load_of(b'{"load": [1]}') is NO_LOAD
+
+
+@pytest.mark.parametrize(
+    ("uncached", "prefill_queues", "local_queue", "expected"),
+    [
+        (100, (0,), 0, ("whole", "short_prompt")),  # at the limit: local
+        (101, (0,), 0, ("disaggregated", "long_prompt")),
+        (None, (0,), 0, ("disaggregated", "unknown_prompt")),
+        # the prefill pool is full (its shortest queue) and the decode worker's queue shorter
+        (5000, (1001, 4000), 200, ("whole", "prefill_queue_full")),
+        (5000, (1000, 4000), 200, ("disaggregated", "long_prompt")),  # not over the limit
+        (5000, (3000,), 3500, ("disaggregated", "long_prompt")),  # decode's queue is longer
+        # a short prompt leaves a decode worker whose own queue is full for a shorter one
+        (10, (200,), 1001, ("disaggregated", "decode_busy")),
+        (10, (2000,), 1500, ("whole", "short_prompt")),
+    ],
+)
+def test_conditional_decision(uncached, prefill_queues, local_queue, expected):
+    prefills = [worker(f"http://p{i}", "prefill", q) for i, q in enumerate(prefill_queues)]
+    decision = decide(CONDITIONAL, uncached, prefills, worker("http://d", "decode", local_queue))
+    assert (decision.name, decision.reason) == expected
+
+
+def planner_config(**changes: Any) -> RouterConfig:
+    settings = dict(
+        planner_prefill_queue_high=1000,
+        planner_prefill_queue_low=100,
+        planner_decode_kv_high=0.8,
+        planner_dwell_s=5.0,
+    )
+    return RouterConfig(**(settings | changes))
+
+
+def duties(workers: list[Worker]) -> list[str]:
+    return [w.serving_role for w in workers]
+
+
+def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts():
+    metrics = RouterMetrics()
+    planner = Planner(planner_config(), metrics)
+    autos = [worker(f"http://a{i}", "auto") for i in range(3)]
+    planner.plan(autos, now=0.0)
+    assert duties(autos) == ["decode"] * 3  # alone, auto workers are a colocated pool
+
+    # Long prompts pile up in the decode workers' own prefill queues: one of them prefills.
+    for auto in autos:
+        auto.load = WorkerLoad(tokens_waiting=1500, requests_running=4)
+    autos[1].load = WorkerLoad(tokens_waiting=1500, requests_running=1)  # the least busy
+    planner.plan(autos, now=10.0)
+    assert duties(autos) == ["decode", "prefill", "decode"]
+    planner.plan(autos, now=12.0)  # within the dwell time: no second change
+    assert duties(autos) == ["decode", "prefill", "decode"]
+    # Still too much for one prefill worker, and two remain on decode: one more.
+    autos[1].load = WorkerLoad(tokens_waiting=3000)
+    planner.plan(autos, now=16.0)
+    assert duties(autos) == ["prefill", "prefill", "decode"]
+    # Never the last decode worker, however long the prefill queue.
+    planner.plan(autos, now=30.0)
+    assert duties(autos) == ["prefill", "prefill", "decode"]
+
+    # The decode side runs short of KV cache room: an auto prefill worker goes back to decoding.
+    autos[2].load = WorkerLoad(tokens_waiting=0, kv_blocks_used=90, kv_blocks_total=100)
+    autos[0].load = WorkerLoad(tokens_waiting=2000)
+    planner.plan(autos, now=40.0)
+    assert duties(autos) == ["decode", "prefill", "decode"]  # the one with less waiting
+    # The prefill queue drains: the last auto prefill worker goes back too.
+    for auto in autos:
+        auto.load = WorkerLoad(tokens_waiting=50)
+    planner.plan(autos, now=50.0)
+    assert duties(autos) == ["decode"] * 3
+
+    samples = metrics.render().decode()
+    assert 'tandem_router_role_changes_total{duty="prefill"} 2.0' in samples
+    assert 'tandem_router_role_changes_total{duty="decode"} 2.0' in samples
+    assert 'tandem_router_auto_worker_duty{duty="decode",worker="http://a0"} 1.0' in samples
+
+
+def test_planner_leaves_dedicated_workers_alone_and_keeps_an_auto_prefill_busy_enough():
+    planner = Planner(planner_config(planner_dwell_s=0.0), RouterMetrics())
+    prefill = worker("http://p", "prefill", tokens_waiting=5000)
+    decode = worker("http://d", "decode")
+    auto = worker("http://a", "auto")
+    planner.plan([prefill, decode, auto], now=0.0)
+    assert duties([prefill, decode, auto]) == ["prefill", "decode", "prefill"]
+    # The prefill queue, per prefill worker, stays between the marks: no change either way.
+    prefill.load = WorkerLoad(tokens_waiting=600)
+    planner.plan([prefill, decode, auto], now=1.0)
+    assert auto.serving_role == "prefill" and prefill.role == "prefill"
+
+
+def test_kv_aware_decode_routing_prefers_the_longest_prefix_within_the_balance():
+    index = PrefixIndex()
+    policy = PrefixAwarePolicy(balance_threshold=2, index=index)
+    pool = [worker("http://d0"), worker("http://d1"), worker("http://d2")]
+    chat = prefix_hashes("system: be brief. user: first question", 8)
+    index.remember(pool[1], prefix_hashes("system: be brief. user: other", 8))
+    index.remember(pool[2], chat)
+    follow_up = prefix_hashes("system: be brief. user: first question. assistant: yes", 8)
+    assert index.matched_blocks(pool[2], follow_up) == 4
+    assert index.matched_blocks(pool[1], follow_up) == 3  # "system: be brief. user: "
+    assert policy.choose(pool, follow_up) is pool[2]
+    pool[2].outstanding = 3  # too much busier than the idle ones: the next longest match
+    assert policy.choose(pool, follow_up) is pool[1]
+
+
+# ---- through the router, against fake workers -----------------------------------------------
+
+
+@pytest.fixture
+def start_router() -> Iterator[Callable[..., tuple[ThreadServer, dict[str, list[Fake]]]]]:
+    servers: list[ThreadServer] = []
+
+    def start(roles: dict[str, int], **settings: Any) -> tuple[ThreadServer, dict[str, list]]:
+        fakes: dict[str, list[Fake]] = {}
+        for role, count in roles.items():
+            for _ in range(count):
+                control = FakeControl(load={"tokens_waiting": 0})
+                app = create_fake_worker(role, MODEL, control)
+                fake = Fake(ThreadServer(app).start(), control, app.state.stats)
+                servers.append(fake.server)
+                fakes.setdefault(role, []).append(fake)
+        urls = {f"{role}_urls": tuple(f.url for f in group) for role, group in fakes.items()}
+        settings = dict(health_interval_s=0.05, disaggregation="conditional") | settings
+        router = ThreadServer(create_app(RouterConfig(**urls, **settings))).start()
+        servers.append(router)
+        return router, fakes
+
+    yield start
+    stop_all(servers)
+
+
+def words(count: int, first: int = 0) -> str:
+    return " ".join(f"w{i}" for i in range(first, first + count))
+
+
+def echo(prompt: str, max_tokens: int) -> str:
+    pieces = prompt.split()
+    return "".join(" " + pieces[i % len(pieces)] for i in range(max_tokens))
+
+
+def ask(router: ThreadServer, prompt: str, max_tokens: int = 4) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+    text = completion_text(stream(router.url, "/v1/completions", body))
+    assert text == echo(prompt, max_tokens)  # the same answer whichever flow served it
+    return text
+
+
+def decisions(router: ThreadServer) -> dict[str, float]:
+    return {
+        name.split("{", 1)[1].rstrip("}"): value
+        for name, value in metric_samples(router.url).items()
+        if name.startswith("tandem_router_pd_decisions_total")
+    }
+
+
+def test_conditional_disaggregation_follows_prompt_length_and_the_prefill_queue(start_router):
+    router, fakes = start_router({"prefill": 1, "decode": 1}, max_local_prefill_length=20)
+    (prefill,), (decode,) = fakes["prefill"], fakes["decode"]
+    short, long = words(10), words(30)  # ~15 and ~45 tokens at four characters a token
+    ask(router, short)
+    assert prefill.kinds() == [] and decode.kinds() == ["plain"]
+    ask(router, long)
+    assert prefill.kinds() == ["prefill"] and decode.kinds() == ["plain", "decode"]
+
+    # The prefill queue fills up (its load report): a long prompt is prefilled locally.
+    prefill.control.load = {"tokens_waiting": 50_000}
+    pool = router.app.state.pool
+    wait_for(lambda: pool.available(("prefill",))[0].load.tokens_waiting == 50_000)
+    ask(router, words(30, first=100))
+    assert prefill.kinds() == ["prefill"] and decode.kinds() == ["plain", "decode", "plain"]
+    assert decisions(router) == {
+        'decision="whole",reason="short_prompt"': 1.0,
+        'decision="disaggregated",reason="long_prompt"': 1.0,
+        'decision="whole",reason="prefill_queue_full"': 1.0,
+    }
+
+
+def test_a_follow_up_goes_to_the_decode_worker_holding_its_conversation(start_router):
+    router, fakes = start_router(
+        {"prefill": 1, "decode": 3}, decode_policy="prefix-aware", max_local_prefill_length=20
+    )
+    first_turn = words(40)
+    ask(router, first_turn)
+    (holder,) = [fake for fake in fakes["decode"] if fake.kinds()]
+    assert holder.kinds() == ["decode"]
+    # The second turn repeats the first: only its new words are uncached on the holder, few
+    # enough to prefill there, so it goes whole to the holder.
+    for turn in range(3):
+        ask(router, first_turn + " " + words(5, first=1000 + 10 * turn))
+    assert holder.kinds() == ["decode", "plain", "plain", "plain"]
+    assert sum(len(fake.kinds()) for fake in fakes["decode"]) == 4
+    assert fakes["prefill"][0].kinds() == ["prefill"]
+    hits = metric_samples(router.url)['tandem_router_decode_prefix_tokens_total{kind="hit"}']
+    # each follow-up found the first turn's two whole 64-character blocks, at 4 characters a token
+    assert len(first_turn) == 149 and hits == 3 * (2 * 64 // 4)
+
+
+def test_auto_workers_take_up_prefill_and_give_it_back_without_losing_a_request(start_router):
+    router, fakes = start_router(
+        {"auto": 2},
+        max_local_prefill_length=20,
+        planner_prefill_queue_high=1000,
+        planner_prefill_queue_low=100,
+        planner_dwell_s=0.0,
+    )
+    autos = fakes["auto"]
+    pool = router.app.state.pool
+    wait_for(lambda: [w.serving_role for w in pool.available(("decode",))] == ["decode"] * 2)
+    ask(router, words(30))  # no worker prefills: whole, though long
+    assert sorted(len(fake.kinds()) for fake in autos) == [0, 1]
+    assert decisions(router) == {'decision="whole",reason="no_prefill_worker"': 1.0}
+
+    # Both build up long local prefill queues: the planner moves one to prefill.
+    for fake in autos:
+        fake.control.load = {"tokens_waiting": 5000}
+    wait_for(lambda: len(pool.available(("prefill",))) == 1)
+    (prefiller,) = pool.available(("prefill",))
+    # Keep the queue per prefill worker between the marks, so it stays.
+    for fake in autos:
+        fake.control.load = {"tokens_waiting": 500}
+    prefilling = next(fake for fake in autos if fake.url == prefiller.url)
+    decoding = next(fake for fake in autos if fake.url != prefiller.url)
+    before = (len(prefilling.kinds()), len(decoding.kinds()))
+    ask(router, words(30, first=200))
+    assert prefilling.kinds()[before[0] :] == ["prefill"]
+    assert decoding.kinds()[before[1] :] == ["decode"]
+
+    # The planner gives prefill back while a disaggregated stream is still decoding: the
+    # stream ends whole, and the next request goes whole.
+    decoding.control.token_delay_s = 0.1
+    in_flight = threading.Thread(target=ask, args=(router, words(30, first=300), 12))
+    in_flight.start()
+    wait_for(lambda: decoding.kinds()[-1:] == ["decode"] and len(decoding.kinds()) > before[1] + 1)
+    for fake in autos:
+        fake.control.load = {"tokens_waiting": 0}
+    wait_for(lambda: len(pool.available(("prefill",))) == 0)
+    assert in_flight.is_alive()  # still decoding when the duty changed
+    in_flight.join(timeout=10)
+    ask(router, words(30, first=400))
+    assert prefilling.kinds()[-1] == "plain" or decoding.kinds()[-1] == "plain"
+    assert all(fake.stats.aborted_streams == fake.stats.aborted_prefills == 0 for fake in autos)
+    assert decoding.stats.completed_streams == len(decoding.kinds())
+    samples = metric_samples(router.url)
+    assert samples['tandem_router_role_changes_total{duty="prefill"}'] == 1
+    assert samples['tandem_router_role_changes_total{duty="decode"}'] == 1
+
+
+# ---- the launcher: auto workers and the router's adaptive keys --------------------------------
+
+
+def test_a_cluster_file_starts_auto_workers_and_passes_the_adaptive_router_keys():
+    spec = parse_cluster(
+        {
+            "roles": {"auto": {"count": 2, "engine": {"kv_transport": "tcp"}}},
+            "router": {
+                "disaggregation": "conditional",
+                "decode_policy": "prefix-aware",
+                "max_local_prefill_length": 256,
+                "planner_dwell_s": 2.5,
+            },
+        }
+    )
+    plans = plan_processes(spec, "cpu", num_gpus=0, python="py")
+    assert [plan.name for plan in plans] == ["auto-0", "auto-1", "router"]
+    assert all(plan.argv[plan.argv.index("--role") + 1] == "auto" for plan in plans[:2])
+    router = plans[-1].argv
+    autos = [router[i + 1] for i, arg in enumerate(router) if arg == "--auto"]
+    assert autos == ["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
+    given = {router[i]: router[i + 1] for i in range(len(router) - 1) if router[i][:2] == "--"}
+    assert given["--disaggregation"] == "conditional"
+    assert given["--decode-policy"] == "prefix-aware"
+    assert given["--max-local-prefill-length"] == "256" and given["--planner-dwell-s"] == "2.5"
+    assert "--max-prefill-queue-tokens" not in given  # unset keys keep the router's defaults
+    assert expected_router_counts(plans) == {"prefill": 0, "decode": 2, "both": 0}
+    # Auto workers feed decode workers, or take their KV: one layout and transport.
+    tcp = {"kv_transport": "tcp"}
+    parse_cluster({"roles": {"decode": {"count": 1, "engine": tcp}, "auto": {"count": 1}}})
+    with pytest.raises(ClusterError, match="roles.auto.engine.block_size"):
+        parse_cluster(
+            {
+                "roles": {
+                    "decode": {"count": 1, "engine": {"kv_transport": "tcp"}},
+                    "auto": {"count": 1, "engine": {"kv_transport": "tcp", "block_size": 32}},
+                }
+            }
+        )
