@@ -84,7 +84,7 @@ def ceilings() -> dict:
 def weight_bytes(core: EngineCore, decode: bool) -> int:
     """Bytes of weights one forward pass reads (decode reads one embedding row, not the table)."""
     total = 0
-    for name, param in core.model.named_parameters():
+    for name, param in core.executor.model.named_parameters():
         tied = core.model_config.tie_word_embeddings
         if decode and name.endswith("embed_tokens.weight") and not tied:
             continue
@@ -145,7 +145,9 @@ def roofline(limits: dict) -> dict:
         core.step()
         step_times.append(time.perf_counter() - start)
     decode_s = statistics.median(step_times[10:])
-    graph = core.runner.decode_graphs.graphs[1]  # GPU time alone: forward + logits, batch 1
+    graph = core.executor.runner.decode_graphs.graphs[
+        1
+    ]  # GPU time alone: forward + logits, batch 1
     graph_s = cuda_time(graph.replay, 20)
     context = 128 + 80
     decode_bytes = weight_bytes(core, decode=True) + context * core.kv_spec.bytes_per_token
@@ -214,7 +216,7 @@ def run_offline(
     while core.has_work():
         scheduled = core.scheduler.schedule()
         step_start = time.perf_counter()
-        runner_output = core.runner.execute(scheduled)
+        runner_output = core.executor.runner.execute(scheduled)
         step_s = time.perf_counter() - step_start
         core.scheduler.update_from_output(scheduled, runner_output)
         for request_id in runner_output.sampled_token_ids:

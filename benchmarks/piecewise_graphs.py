@@ -59,7 +59,7 @@ def main() -> None:
                 max_model_len=16384,
                 piecewise_cuda_graph_max_tokens=max_tokens,
             )
-            graphs = llm.core.runner.piecewise_graphs
+            graphs = llm.core.executor.runner.piecewise_graphs
             if mode == "piecewise":
                 graphs.whole_graphs.clear()
             print(f"{model} {mode}: sizes {graphs.sizes if graphs else []}", flush=True)
