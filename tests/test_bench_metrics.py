@@ -83,10 +83,11 @@ def test_metrics_match_hand_computed_values() -> None:
 
 def test_goodput_counts_requests_meeting_every_slo() -> None:
     records = recorded_requests()
-    # ttft <= 250 and tpot <= 150: A only (B's tpot is 200, D's ttft 1200).
-    assert compute_metrics(records, 2.0, goodput_slos_ms={"ttft": 250, "tpot": 150})[
-        "request_goodput"
-    ] == pytest.approx(0.5)
+    # ttft <= 250 and tpot <= 150: A only (B's tpot is 200, D's ttft 1200), 1 of the 4 sent.
+    result = compute_metrics(records, 2.0, goodput_slos_ms={"ttft": 250, "tpot": 150})
+    assert result["request_goodput"] == pytest.approx(0.5)
+    assert result["slo_attainment"] == pytest.approx(0.25)
+    assert compute_metrics(records, 2.0)["slo_attainment"] is None
     # tpot <= 150 alone: A, and D whose single token counts as tpot 0.
     assert compute_metrics(records, 2.0, goodput_slos_ms={"tpot": 150})[
         "request_goodput"

@@ -61,6 +61,9 @@ def test_plot_writes_a_png_of_the_fixed_size(result_paths: tuple[Path, Path]) ->
     flags = ["--x-metric", "request_throughput", "--title", "PD vs colocated"]
     assert main(["bench", "plot", str(sweep), "-o", str(request_axis), *flags]) == 0
     assert matplotlib.image.imread(request_axis).shape == (500, 1200, 4)
+    with_goodput = sweep.parent / "goodput.png"
+    assert main(["bench", "plot", str(sweep), "-o", str(with_goodput), "--goodput-panel"]) == 0
+    assert matplotlib.image.imread(with_goodput).shape == (500, 1800, 4)  # one panel more
 
 
 def test_plot_rejects_files_that_are_not_results(

@@ -334,6 +334,22 @@ def test_reasoning_deltas_are_tokens_arriving() -> None:
     assert record.content_times == [1.0, 2.0, 3.0] and record.generated_text == "Hmm.\nHi"
 
 
+def test_events_with_token_ids_are_tokens_arriving_without_text() -> None:
+    from tandem.bench.client import RequestRecord, apply_event
+
+    record = RequestRecord(0)
+    events = [
+        {"choices": [{"text": "", "token_ids": [7]}]},  # a token whose text is empty
+        {"choices": [{"text": "", "token_ids": []}]},  # nothing arrived
+        {"choices": [{"text": " a", "token_ids": [9]}]},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+    ]
+    for arrived, event in enumerate(events):
+        apply_event(record, event, chat=False, arrived=float(arrived))
+    assert record.content_times == [0.0, 2.0] and record.generated_text == " a"
+    assert record.output_tokens == 2
+
+
 def test_failing_warm_up_stops_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with fake_server(FakeBehaviour()) as base_url:  # a base URL whose paths all answer 404
         flags = common_flags(base_url + "/missing", tmp_path, "--num-prompts", "2", "--model", "m")
@@ -360,22 +376,29 @@ async def test_connection_errors_become_failed_records() -> None:
     assert record.end_time >= record.start_time > 0
 
 
+# The fake clusters' first-token delays: colocated misses the test's TTFT SLO of 150 ms on every
+# request, PD and adaptive meet it with room to spare.
+FIRST_DELAY_S_OF = {"colocated": 0.2, "pd": 0.02, "adaptive": 0.0}
+
+
 def serve_as_script() -> None:
     """Stand-in for `tandem serve`: records its flags, serves the fake API until SIGINT."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--record-file", required=True)
     parser.add_argument("--prefill", type=int)
+    parser.add_argument("--auto", type=int)
     known, _ = parser.parse_known_args()
     with open(known.record_file, "a") as record:
         record.write(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:]}) + "\n")
-    # PD answers the first token sooner here, so the two lines of the picture differ.
-    behaviour = FakeBehaviour(first_delay_s=0.02 if known.prefill else 0.06)
+    configuration = "adaptive" if known.auto else "pd" if known.prefill else "colocated"
+    behaviour = FakeBehaviour(first_delay_s=FIRST_DELAY_S_OF[configuration])
     uvicorn.run(make_app(behaviour), host="127.0.0.1", port=known.port, log_level="warning")
 
 
-def test_compare_runs_both_clusters_and_stops_them(tmp_path: Path) -> None:
+def test_compare_runs_three_configurations_and_stops_them(tmp_path: Path) -> None:
     record_file = tmp_path / "launches.jsonl"
+    out = tmp_path / "out"
     flags = [
         "compare",
         "--model",
@@ -387,63 +410,74 @@ def test_compare_runs_both_clusters_and_stops_them(tmp_path: Path) -> None:
         "--startup-timeout",
         "60",
         "--result-dir",
-        str(tmp_path / "out"),
+        str(out),
         "--num-prompts",
         "4",
         "--random-output-len",
         "3",
-        "--max-concurrency",
-        "1,2",
+        "--request-rate",
+        "20",
+        "40",
+        "--goodput",
+        "ttft:150",
         "--disable-tqdm",
     ]
     assert run_cli(*flags) == 0
     launches = [json.loads(line) for line in record_file.read_text().splitlines()]
-    colocated_port, pd_port = (
-        launch["argv"][launch["argv"].index("--port") + 1] for launch in launches
-    )
+    ports = [launch["argv"][launch["argv"].index("--port") + 1] for launch in launches]
+    tail = ["--record-file", str(record_file)]
     assert [launch["argv"] for launch in launches] == [
-        [
-            "--model",
-            MODEL,
-            "--both",
-            "2",
-            "--prefill",
-            "0",
-            "--decode",
-            "0",
-            "--port",
-            colocated_port,
-            "--record-file",
-            str(record_file),
-        ],
-        [
-            "--model",
-            MODEL,
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--port",
-            pd_port,
-            "--record-file",
-            str(record_file),
-        ],
+        ["--model", MODEL, "--both", "2", "--prefill", "0", "--decode", "0"]
+        + ["--port", ports[0], *tail],
+        ["--model", MODEL, "--prefill", "1", "--decode", "1", "--port", ports[1], *tail],
+        ["--model", MODEL, "--config", str(out / "adaptive-cluster.yaml"), "--auto", "2"]
+        + ["--prefill", "0", "--decode", "0", "--disaggregation", "conditional"]
+        + ["--port", ports[2], *tail],
     ]
     for launch in launches:
         with pytest.raises(ProcessLookupError):
             os.kill(launch["pid"], 0)
-    out = tmp_path / "out"
-    for label in ("colocated", "pd"):
+    labels = ("colocated", "pd", "adaptive")
+    for label in labels:
         combined = json.loads((out / f"{label}-sweep.json").read_text())
-        assert combined["label"] == label
+        assert combined["label"] == label and combined["sweep_values"] == [20.0, 40.0]
         assert [point["completed"] for point in combined["points"]] == [4, 4]
         assert (out / f"{label}-serve.log").exists()
-    colocated = json.loads((out / "colocated-sweep.json").read_text())["points"][0]
-    pd = json.loads((out / "pd-sweep.json").read_text())["points"][0]
-    assert pd["median_ttft_ms"] < colocated["median_ttft_ms"]
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["goodput_slos_ms"] == {"ttft": 150.0}
+    assert [entry["label"] for entry in summary["configurations"]] == list(labels)
+    for entry, launch in zip(summary["configurations"], launches, strict=True):
+        assert entry["command"][-len(launch["argv"]) :] == launch["argv"]
+    rows = {(row["configuration"], row["request_rate"]): row for row in summary["rows"]}
+    assert len(rows) == 6
+    for rate in (20.0, 40.0):
+        assert rows["colocated", rate]["request_goodput"] == 0.0  # TTFT >= 200 ms every time
+        assert rows["colocated", rate]["slo_attainment"] == 0.0
+        for label in ("pd", "adaptive"):
+            assert rows[label, rate]["request_goodput"] > 0.0
+            assert rows[label, rate]["request_throughput"] >= rows[label, rate]["request_goodput"]
     import matplotlib.image
 
-    assert matplotlib.image.imread(out / "compare.png").shape[:2] == (500, 1200)
+    assert matplotlib.image.imread(out / "compare.png").shape[:2] == (500, 1800)  # 3 panels
+
+
+def test_compare_runs_only_the_chosen_configurations(tmp_path: Path) -> None:
+    record_file = tmp_path / "launches.jsonl"
+    flags = ["compare", "--model", MODEL, "--configurations", "adaptive", "colocated"]
+    flags += ["--serve-command", f"{sys.executable} {Path(__file__).resolve()}"]
+    flags += ["--serve-args", f"--record-file {record_file}", "--num-auto", "3"]
+    flags += ["--result-dir", str(tmp_path), "--num-prompts", "2", "--random-output-len", "2"]
+    assert run_cli(*flags, "--disable-tqdm", "--num-warmups", "0") == 0
+    launches = [json.loads(line)["argv"] for line in record_file.read_text().splitlines()]
+    assert [argv[argv.index("--auto") + 1] if "--auto" in argv else "-" for argv in launches] == [
+        "3",
+        "-",
+    ]
+    assert "--both" in launches[1]
+    summary = json.loads((tmp_path / "compare.json").read_text())
+    assert [row["configuration"] for row in summary["rows"]] == ["adaptive", "colocated"]
+    assert summary["rows"][0]["request_goodput"] is None  # no --goodput, no goodput
+    assert not (tmp_path / "pd-sweep.json").exists()
 
 
 def test_compare_reports_a_cluster_that_dies(tmp_path: Path, capsys: pytest.CaptureFixture):

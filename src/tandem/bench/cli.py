@@ -17,6 +17,7 @@ from tandem import DEFAULT_MODEL
 
 DATASET_CHOICES = ("random", "sharegpt", "prefix")
 ENDPOINT_CHOICES = ("/v1/completions", "/v1/chat/completions")
+CONFIGURATION_CHOICES = ("colocated", "pd", "adaptive")
 X_METRIC_CHOICES = ("output_throughput", "request_throughput", "total_token_throughput")
 
 
@@ -137,15 +138,26 @@ def add_plot_parser(subparsers: Any) -> None:
     parser.add_argument("-o", "--output", required=True, help="PNG file to write")
     parser.add_argument("--title")
     parser.add_argument("--x-metric", choices=X_METRIC_CHOICES, default="output_throughput")
+    parser.add_argument(
+        "--goodput-panel",
+        action="store_true",
+        help="a first panel: goodput (req/s within the SLOs of --goodput) against the swept load",
+    )
     parser.set_defaults(func=run_plot)
 
 
 def add_compare_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "compare",
-        help="PD vs colocated: start each cluster with `tandem serve`, sweep both, plot",
-        description="Start a colocated cluster, sweep it, stop it; start a PD cluster on the "
-        "same hardware, sweep it, stop it; write both JSONs and one picture.",
+        help="colocated vs PD vs adaptive: start each cluster with `tandem serve`, sweep, plot",
+        description="On the same GPUs, one cluster at a time: start it with `tandem serve`, "
+        "sweep it, stop it. colocated: --both W --prefill 0 --decode 0; pd: --prefill P "
+        "--decode D; adaptive: --auto W --prefill 0 --decode 0 --disaggregation conditional "
+        "--config RESULT_DIR/adaptive-cluster.yaml (auto workers whose roles the router's "
+        "planner sets, short prompts served whole, prefix-aware decode routing, set in that "
+        "file). W = P + D. Prints a table of req/s, goodput and TTFT / TPOT p99 per "
+        "configuration and load; writes each sweep's JSON, compare.json and one picture "
+        "(goodput against load, latency against throughput).",
     )
     parser.add_argument(
         "--model",
@@ -153,17 +165,28 @@ def add_compare_parser(subparsers: Any) -> None:
         help=f"passed to `tandem serve --model` (default: {DEFAULT_MODEL}, as for tandem serve)",
     )
     parser.add_argument("--served-model-name", help="model name to request (default: --model)")
-    parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers of PD")
-    parser.add_argument("--num-decode", type=int, default=1, help="decode workers of PD")
+    parser.add_argument(
+        "--configurations",
+        nargs="+",
+        choices=CONFIGURATION_CHOICES,
+        default=list(CONFIGURATION_CHOICES),
+        metavar="NAME",
+        help="which clusters run, in this order: colocated, pd, adaptive (default: all three)",
+    )
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers of pd")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode workers of pd")
     parser.add_argument(
         "--num-colocated", type=int, help="workers of the colocated cluster (default: P + D)"
+    )
+    parser.add_argument(
+        "--num-auto", type=int, help="auto workers of the adaptive cluster (default: P + D)"
     )
     parser.add_argument("--port", type=int, help="router port (default: a free one)")
     parser.add_argument(
         "--serve-command",
         help="command that starts a cluster (default: this Python's `-m tandem.cli serve`)",
     )
-    parser.add_argument("--serve-args", default="", help="extra flags for both clusters")
+    parser.add_argument("--serve-args", default="", help="extra flags for every cluster")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds")
     parser.add_argument("--result-dir", default="bench-compare", help="folder for all outputs")
     parser.add_argument("-o", "--output", help="PNG file (default: RESULT_DIR/compare.png)")

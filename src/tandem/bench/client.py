@@ -6,8 +6,9 @@ Timing invariants:
   socket, before any parsing. An SSE event is stamped with the arrival time of the bytes that
   complete it.
 * Only content-bearing events (non-empty `text` / `delta.content`, or a reasoning model's
-  `delta.reasoning` / `delta.reasoning_content`) count as tokens arriving; the role-only first
-  chat chunk and the usage chunk do not.
+  `delta.reasoning` / `delta.reasoning_content`), or events that carry `token_ids` (a server's
+  `return_token_ids`: tokens whose text is empty, as random weights make, still arrive), count
+  as tokens arriving; the role-only first chat chunk and the usage chunk do not.
 * Output and prompt token counts come from the server's `usage` (requested with
   `stream_options.include_usage`), never from counting chunks.
 * Every request yields a record: HTTP errors, error events, a stream that ends without
@@ -147,7 +148,9 @@ def apply_event(record: RequestRecord, event: dict[str, Any], chat: bool, arrive
     if "error" in event:
         raise StreamError(f"error event: {json.dumps(event['error'])[:ERROR_BODY_LIMIT]}")
     text = content_of(event, chat)
-    if text:
+    choices = event.get("choices") or []
+    token_ids = (choices[0].get("token_ids") if choices else None) or ()
+    if text or token_ids:  # ids count even where their text is empty (random weights)
         record.content_times.append(arrived)
         record.generated_text += text
     for choice in event.get("choices") or []:

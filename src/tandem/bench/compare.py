@@ -1,10 +1,19 @@
-"""`tandem bench compare`: the same sweep against a colocated and a PD cluster on this host.
+"""`tandem bench compare`: the same sweep against colocated, fixed PD and adaptive clusters.
 
-For each cluster in turn (colocated first, then PD): start `tandem serve` in its own process
-group, wait for `GET /health` == 200 on the router port, run the sweep of `tandem bench serve`,
-then stop the whole group (SIGINT, then SIGTERM, then SIGKILL, each after a grace period). Only one
-cluster runs at a time, so both get the same hardware. Writes RESULT_DIR/<label>*.json,
-RESULT_DIR/<label>-serve.log and the picture.
+The configurations, on the same GPUs (W = P + D workers unless --num-colocated / --num-auto):
+* colocated: `tandem serve --both W --prefill 0 --decode 0`;
+* pd: `tandem serve --prefill P --decode D` (a fixed split);
+* adaptive: `tandem serve --config RESULT_DIR/adaptive-cluster.yaml --auto W --prefill 0
+  --decode 0 --disaggregation conditional`: auto workers whose roles the router's planner sets,
+  requests with a short uncached prompt (or a long prefill queue) served whole on their decode
+  worker, and the file sets what `tandem serve` has no flag for (the router's prefix-aware
+  decode routing; the auto workers' KV transport, as without a file).
+For each chosen configuration in turn: start `tandem serve` in its own process group, wait for
+`GET /health` == 200 on the router port, run the sweep of `tandem bench serve`, then stop the
+whole group (SIGINT, then SIGTERM, then SIGKILL, each after a grace period). Only one cluster runs
+at a time, so all get the same hardware. Writes RESULT_DIR/<label>*.json, <label>-serve.log,
+compare.json (configuration x load: req/s, goodput, TTFT and TPOT p99, and the commands) and the
+picture (goodput against load, TTFT and TPOT against throughput), and prints the summary table.
 
 Invariant: a cluster this command started is stopped before the command returns, whatever
 happened in between.
@@ -30,29 +39,51 @@ import httpx
 
 from tandem.bench.errors import BenchError
 from tandem.bench.plot import plot_result_sets
-from tandem.bench.report import make_console
-from tandem.bench.results import ResultSet
+from tandem.bench.report import make_console, print_comparison_summary
+from tandem.bench.results import ResultSet, comparison_rows, comparison_summary, write_json
 from tandem.bench.serve import load_tokenizer, options_from_args, run_sweep
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 STOP_GRACE_S = 30.0
 HEALTH_POLL_S = 0.5
+ADAPTIVE_CLUSTER_FILE = "adaptive-cluster.yaml"
+ADAPTIVE_CLUSTER_YAML = """\
+# The adaptive configuration of tandem bench compare: what tandem serve has no flag for.
+roles:
+  decode: {engine: {kv_transport: auto}}  # auto workers take the decode role's KV transport
+router: {decode_policy: prefix-aware}     # decode on the worker holding most of the prompt
+"""
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """One cluster to benchmark: its label and the `tandem serve` flags that shape it."""
+    """One cluster to benchmark: its label, the `tandem serve` flags that shape it, and the files
+    (path, text) to write before it starts."""
 
     label: str
     shape_flags: tuple[str, ...]
+    files: tuple[tuple[Path, str], ...] = ()
 
 
-def clusters_for(args: argparse.Namespace) -> list[Cluster]:
-    num_colocated = args.num_colocated or args.num_prefill + args.num_decode
-    return [
-        Cluster("colocated", ("--both", str(num_colocated), "--prefill", "0", "--decode", "0")),
-        Cluster("pd", ("--prefill", str(args.num_prefill), "--decode", str(args.num_decode))),
-    ]
+def clusters_for(args: argparse.Namespace, result_dir: Path) -> list[Cluster]:
+    """The chosen configurations (`args.configurations`, in that order, each once)."""
+    num_workers = args.num_prefill + args.num_decode
+    num_colocated = str(args.num_colocated or num_workers)
+    num_auto = str(args.num_auto or num_workers)
+    adaptive_file = result_dir / ADAPTIVE_CLUSTER_FILE
+    clusters = {
+        "colocated": Cluster(
+            "colocated", ("--both", num_colocated, "--prefill", "0", "--decode", "0")
+        ),
+        "pd": Cluster("pd", ("--prefill", str(args.num_prefill), "--decode", str(args.num_decode))),
+        "adaptive": Cluster(
+            "adaptive",
+            ("--config", str(adaptive_file), "--auto", num_auto, "--prefill", "0", "--decode", "0")
+            + ("--disaggregation", "conditional"),
+            ((adaptive_file, ADAPTIVE_CLUSTER_YAML),),
+        ),
+    }
+    return [clusters[label] for label in dict.fromkeys(args.configurations)]
 
 
 def free_port() -> int:
@@ -121,22 +152,23 @@ def running_cluster(
             stop_group(process)
 
 
+def serve_command_of(args: argparse.Namespace) -> list[str]:
+    if args.serve_command:
+        return shlex.split(args.serve_command)
+    return [sys.executable, "-m", "tandem.cli", "serve"]
+
+
 def main(args: argparse.Namespace) -> int:
     """`tandem bench compare`."""
     console = make_console()
     result_dir = Path(args.result_dir)
-    serve_command = (
-        shlex.split(args.serve_command)
-        if args.serve_command
-        else [sys.executable, "-m", "tandem.cli", "serve"]
-    )
     tokenizer = load_tokenizer(args.tokenizer)
-    result_sets = []
-    for cluster in clusters_for(args):
+    result_sets, commands = [], {}
+    for cluster in clusters_for(args, result_dir):
         port = args.port or free_port()
         base_url = f"http://127.0.0.1:{port}"
         command = [
-            *serve_command,
+            *serve_command_of(args),
             "--model",
             args.model,
             *cluster.shape_flags,
@@ -152,12 +184,23 @@ def main(args: argparse.Namespace) -> int:
             result_dir=result_dir,
             result_filename=cluster.label,
         )
+        for path, text in cluster.files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
         console.print(f"[bold]{cluster.label}[/bold]: {shlex.join(command)}")
         log_path = result_dir / f"{cluster.label}-serve.log"
         with running_cluster(command, base_url, log_path, args.startup_timeout):
             outcome = asyncio.run(run_sweep(options, tokenizer, console))
         result_sets.append(ResultSet(cluster.label, outcome.results))
+        commands[cluster.label] = command
+    rows = comparison_rows(result_sets)
+    print_comparison_summary(console, rows)
+    if not args.goodput:
+        console.print("no goodput without SLOs: pass --goodput ttft:MS tpot:MS")
+    summary_path = result_dir / "compare.json"
+    write_json(summary_path, comparison_summary(result_sets, commands, rows))
     output = Path(args.output) if args.output else result_dir / "compare.png"
-    plot_result_sets(result_sets, output, args.title, args.x_metric)
+    plot_result_sets(result_sets, output, args.title, args.x_metric, goodput_panel=True)
+    console.print(f"wrote {summary_path}")
     console.print(f"wrote {output}")
     return 0

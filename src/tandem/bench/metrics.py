@@ -6,7 +6,8 @@ Definitions (all over successful requests; failed ones only count in `failed`):
 * tpot: (e2el - ttft) / (output_tokens - 1) per request with at least two output tokens.
 * e2el: arrival of the last bytes - start.
 * throughputs divide by the wall-clock `duration` of the whole point.
-* goodput: requests meeting every SLO per second (tpot counts as 0 for one-token outputs).
+* goodput: requests meeting every SLO per second (tpot counts as 0 for one-token outputs);
+  slo_attainment: the fraction of the requests sent (failed ones miss) that meet every SLO.
 * percentiles interpolate linearly (numpy's default); std is the population std; a statistic of
   an empty set is None.
 """
@@ -118,9 +119,11 @@ def compute_metrics(
     total_input = sum(record.prompt_tokens for record in succeeded)
     total_output = sum(record.output_tokens for record in succeeded)
     peak_tokens_per_s, peak_concurrency = peak_output_rate(records)
-    goodput = None
+    goodput = slo_attainment = None
     if goodput_slos_ms:
-        goodput = sum(meets_slos(record, goodput_slos_ms) for record in succeeded) / duration
+        num_good = sum(meets_slos(record, goodput_slos_ms) for record in succeeded)
+        goodput = num_good / duration
+        slo_attainment = num_good / len(records) if records else None
     result: dict[str, Any] = {
         "duration": duration,
         "completed": len(succeeded),
@@ -129,6 +132,7 @@ def compute_metrics(
         "total_output_tokens": total_output,
         "request_throughput": len(succeeded) / duration,
         "request_goodput": goodput,
+        "slo_attainment": slo_attainment,
         "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,
         "max_output_tokens_per_s": peak_tokens_per_s,

@@ -82,6 +82,10 @@ def format_value(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100.0 * fraction
+
+
 def point_title(result: dict[str, Any]) -> str:
     concurrency = result.get("max_concurrency")
     return (
@@ -108,6 +112,7 @@ def print_point_summary(
         ("Total generated tokens", result["total_output_tokens"]),
         ("Request throughput (req/s)", result["request_throughput"]),
         ("Request goodput (req/s)", result["request_goodput"]),
+        ("Requests within SLO (%)", percent(result.get("slo_attainment"))),
         ("Output token throughput (tok/s)", result["output_throughput"]),
         ("Total token throughput (tok/s)", result["total_token_throughput"]),
         ("Peak output token throughput (tok/s)", result["max_output_tokens_per_s"]),
@@ -151,4 +156,31 @@ def print_sweep_summary(console: Console, results: Sequence[dict[str, Any]]) -> 
         table.add_column(header, justify="right")
     for result in results:
         table.add_row(*(format_value(result.get(key)) for _, key in columns))
+    console.print(table)
+
+
+def print_comparison_summary(console: Console, rows: Sequence[dict[str, Any]]) -> None:
+    """One row per configuration and load point: throughput, goodput, latency tails."""
+    console.print("[bold]comparison[/bold]")
+    table = Table()
+    columns = (
+        ("configuration", "configuration"),
+        ("rate", "request_rate"),
+        ("concurrency", "max_concurrency"),
+        ("failed", "failed"),
+        ("req/s", "request_throughput"),
+        ("goodput req/s", "request_goodput"),
+        ("within SLO %", "slo_attainment"),
+        ("TTFT p99 ms", "p99_ttft_ms"),
+        ("TPOT p99 ms", "p99_tpot_ms"),
+    )
+    for header, _ in columns:
+        table.add_column(header, justify="left" if header == "configuration" else "right")
+    previous = None
+    for row in rows:
+        if previous is not None and row["configuration"] != previous:
+            table.add_section()
+        previous = row["configuration"]
+        values = {**row, "slo_attainment": percent(row.get("slo_attainment"))}
+        table.add_row(*(format_value(values.get(key)) for _, key in columns))
     console.print(table)

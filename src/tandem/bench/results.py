@@ -119,3 +119,49 @@ def load_result_sets(paths: Sequence[str | Path]) -> list[ResultSet]:
         else:
             raise ValueError(f"{path} is not a tandem bench result file")
     return sets
+
+
+COMPARISON_FIELDS = (
+    "request_rate",
+    "max_concurrency",
+    "completed",
+    "failed",
+    "request_throughput",
+    "request_goodput",
+    "slo_attainment",
+    "output_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+)
+
+
+def comparison_rows(result_sets: Sequence[ResultSet]) -> list[dict[str, Any]]:
+    """One row per configuration and load point: the set's label and COMPARISON_FIELDS (None
+    where a point has no such value)."""
+    return [
+        {"configuration": result_set.label, **{key: point.get(key) for key in COMPARISON_FIELDS}}
+        for result_set in result_sets
+        for point in result_set.points
+    ]
+
+
+def comparison_summary(
+    result_sets: Sequence[ResultSet],
+    commands: dict[str, list[str]],
+    rows: Sequence[dict[str, Any]],
+) -> dict[str, Any]:
+    """The content of compare.json: what ran (model, SLOs, each configuration's command) and
+    the rows of `comparison_rows`."""
+    points = [point for result_set in result_sets for point in result_set.points]
+    first = points[0] if points else {}
+    return {
+        "model_id": first.get("model_id"),
+        "goodput_slos_ms": first.get("goodput_slos_ms"),
+        "configurations": [
+            {"label": result_set.label, "command": commands.get(result_set.label)}
+            for result_set in result_sets
+        ],
+        "rows": list(rows),
+    }
