@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.engine.input_staging import InputStaging
+from tandem.executor.input_staging import InputStaging
 
 
 def check_upload(staging: InputStaging, step: int) -> None:

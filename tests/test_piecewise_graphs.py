@@ -5,9 +5,9 @@ import pytest
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
-from tandem.engine.piecewise_graphs import token_count_ladder
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.executor.piecewise_graphs import token_count_ladder
 from tandem.kv.config import KVTransferConfig
 from tandem.kv.connector import make_connectors
 from tandem.kv.connector.base import KVTransferParams, NoKVConnectorWorker

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tandem.engine.outputs import ScheduledRequest
-from tandem.engine.sampler import Sampler
 from tandem.engine.sampling_params import SamplingParams
+from tandem.executor.sampler import Sampler
 
 EOS = 3
 

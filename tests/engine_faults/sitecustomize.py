@@ -15,6 +15,7 @@ then), so the API process and every process without the variable run unchanged.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import os
@@ -36,7 +37,8 @@ def parse_faults(value: str) -> dict[str, int]:
 def install(core_module, faults: dict[str, int]) -> None:
     scheduler_class = core_module.Scheduler
     request_class = core_module.Request
-    executor_class = core_module.UniprocessExecutor
+    # the engine core's executor when it runs the model in its own process (TP size 1)
+    executor_class = importlib.import_module("tandem.executor.uniprocess").UniprocessExecutor
 
     if "admit" in faults:
         add_request = scheduler_class.add_request

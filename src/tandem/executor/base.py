@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tandem.engine.config import EngineConfig
     from tandem.engine.outputs import RunnerOutput, SchedulerOutput
-    from tandem.engine.runner import KVCacheSpec
+    from tandem.executor.runner import KVCacheSpec
     from tandem.kv.connector.base import KVConnectorWorker
     from tandem.models.loader import ModelSource
 

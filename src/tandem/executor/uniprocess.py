@@ -12,9 +12,9 @@ import torch
 from tandem.attention.base import get_backend
 from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import RunnerOutput, SchedulerOutput
-from tandem.engine.runner import KVCacheSpec, ModelRunner, plan_kv_cache
-from tandem.engine.sampler import Sampler
 from tandem.executor.base import Executor
+from tandem.executor.runner import KVCacheSpec, ModelRunner, plan_kv_cache
+from tandem.executor.sampler import Sampler
 from tandem.kv.connector.base import KVConnectorWorker
 from tandem.models.base import CausalLM
 from tandem.models.loader import ModelSource, load_model

@@ -30,7 +30,7 @@ import msgspec
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from tandem.engine.input_staging import InputStaging
+from tandem.executor.input_staging import InputStaging
 from tandem.kv.data.base import BlockSource, DataPlane, ReadHandle
 from tandem.kv.errors import KVTransferError
 

@@ -16,10 +16,10 @@ import torch
 
 from tandem.attention.base import AttentionMetadata
 from tandem.engine.config import EngineConfig
-from tandem.engine.input_staging import InputStaging
 from tandem.engine.kv_cache_manager import slot_of
 from tandem.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
-from tandem.engine.sampler import Sampler
+from tandem.executor.input_staging import InputStaging
+from tandem.executor.sampler import Sampler
 from tandem.kv.connector.base import KVConnectorWorker
 from tandem.models.base import CausalLM
 
@@ -137,14 +137,14 @@ class ModelRunner:
         connector.register_kv_cache(self.kv_cache)
         self.decode_graphs = None
         if device.type == "cuda" and cuda_graph_max_batch > 0:
-            from tandem.engine.cuda_graphs import DecodeGraphs
+            from tandem.executor.cuda_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_cache, cuda_graph_max_batch, max_seq_len, kv_spec.block_size
             )
         self.piecewise_graphs = None
         if device.type == "cuda" and model.fused_ops and piecewise_graph_max_tokens >= 16:
-            from tandem.engine.piecewise_graphs import PiecewiseGraphs
+            from tandem.executor.piecewise_graphs import PiecewiseGraphs
 
             self.piecewise_graphs = PiecewiseGraphs(
                 model, self.kv_cache, piecewise_graph_max_tokens, kv_spec.block_size, max_seq_len
