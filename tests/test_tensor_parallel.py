@@ -34,7 +34,7 @@ from tandem.distributed.group import TensorParallelGroup, host_store, join_group
 from tandem.distributed.sharding import check_tensor_parallel, kv_head_range
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore, FatalEngineError
-from tandem.executor.base import ExecutorFailedError, make_executor
+from tandem.executor.base import ExecutorFailedError
 from tandem.models.config import ModelConfig
 from tandem.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -124,12 +124,6 @@ def test_the_engine_refuses_such_a_size_before_starting_ranks(tiny_checkpoints):
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         EngineCore(EngineConfig(model=str(tiny_checkpoints["llama-gqa"]), tensor_parallel_size=3))
     assert threading.active_count() == threads_before  # no rank monitor: no rank was started
-
-
-def test_kv_transfer_is_refused_as_not_yet_supported(tiny_checkpoints):
-    config = EngineConfig(model=str(tiny_checkpoints["llama-gqa"]), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="does not work with KV transfer .* yet"):
-        make_executor(config.resolved(), resolve_model(config.model), kv_transfer=True)
 
 
 # --- the parallel layers over a real gloo group -----------------------------------------------

@@ -59,16 +59,12 @@ class Executor(abc.ABC):
 
 def make_executor(config: EngineConfig, source: ModelSource, kv_transfer: bool) -> Executor:
     """The executor of `config.tensor_parallel_size` ranks; kv_transfer: the engine has a KV
-    connector (a PD role), which tensor parallelism does not take yet."""
+    connector (a PD role): with several ranks, every rank gets its part of it
+    (`initialize_kv_cache`; tandem.kv.connector.ranks)."""
     if config.tensor_parallel_size == 1:
         from tandem.executor.uniprocess import UniprocessExecutor
 
         return UniprocessExecutor(config, source)
-    if kv_transfer:
-        raise ValueError(
-            "tensor parallelism does not work with KV transfer (roles prefill, decode and pd) "
-            "yet: run those roles with --tensor-parallel-size 1"
-        )
     from tandem.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config, source)

@@ -34,7 +34,7 @@ from tandem.executor.rank import (
     Shutdown,
     rank_device,
 )
-from tandem.kv.connector.base import NoKVConnectorWorker
+from tandem.kv.connector.base import KVConnectorWorker, NoKVConnectorWorker
 from tandem.lifetime import die_with_parent
 from tandem.models.loader import ModelSource
 
@@ -100,14 +100,26 @@ def serve(inputs: zmq.Socket, model_rank: Rank, reply) -> None:
                     reply(num_blocks=model_rank.plan_kv_cache().num_blocks)
                 except Exception as exc:
                     reply(error=f"{type(exc).__name__}: {exc}")
-            case InitializeKVCache(num_blocks, max_model_len):
+            case InitializeKVCache(num_blocks, max_model_len, kv_transfer):
                 try:
-                    model_rank.initialize_kv_cache(num_blocks, NoKVConnectorWorker(), max_model_len)
+                    connector = NoKVConnectorWorker()
+                    if kv_transfer:
+                        connector = shard_connector(model_rank)
+                    model_rank.initialize_kv_cache(num_blocks, connector, max_model_len)
                     reply()
                 except Exception as exc:
                     reply(error=f"{type(exc).__name__}: {exc}")
             case Shutdown():
                 return
+
+
+def shard_connector(model_rank: Rank) -> KVConnectorWorker:
+    """A PD role's worker side on this rank: its part in rank 0's relay of the KV shards."""
+    from tandem.kv.connector.ranks import HeadRelay, RankLayout, ShardKVConnectorWorker
+
+    tp = model_rank.tp
+    layout = RankLayout.of(model_rank.source.config.num_kv_heads, tp.size)
+    return ShardKVConnectorWorker(HeadRelay(tp, layout))
 
 
 def main() -> None:

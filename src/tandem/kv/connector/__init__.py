@@ -18,16 +18,19 @@ def make_connectors(config: KVTransferConfig) -> ConnectorFactory:
     both sides over one control plane."""
 
     def build(kv_spec, device: torch.device) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
+        from tandem.kv.connector.metadata import TransferShape, kv_layout
+        from tandem.kv.connector.ranks import ReadyInstalls
         from tandem.kv.connector.scheduler import PDConnectorScheduler
         from tandem.kv.connector.worker import PDConnectorWorker
         from tandem.kv.control.plane import ControlPlane
 
         control = ControlPlane(config)
+        shape, installs = TransferShape(kv_layout(kv_spec)), ReadyInstalls()
         try:
-            worker = PDConnectorWorker(config, kv_spec, device, control)
+            worker = PDConnectorWorker(config, kv_spec, device, control, shape, installs)
         except BaseException:
             control.close()
             raise
-        return PDConnectorScheduler(config, kv_spec, control), worker
+        return PDConnectorScheduler(config, kv_spec, control, shape, installs), worker
 
     return build

@@ -29,15 +29,38 @@ class LoadSpec:
 
 
 @dataclass
+class InstallSpec:
+    """Tensor parallelism: rank 0 has read a request's blocks; every rank writes its KV heads
+    of them into block_ids (remote blocks first_block .. of the prompt) before this step."""
+
+    request_id: str
+    block_ids: list[int]
+    first_block: int
+
+
+@dataclass
 class KVConnectorMetadata:
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     # requests that finished while their load ran: a handoff's wait for its prefill ends, and a
     # read not yet begun is not begun (their blocks stay until the load's report)
     abandoned: list[str] = field(default_factory=list)
+    installs: list[InstallSpec] = field(default_factory=list)
 
 
-def kv_layout(kv_spec) -> str:
-    """The layout both workers of a transfer must share, as kv_transfer_params' kv_layout."""
+@dataclass
+class TransferShape:
+    """What this engine's transfers look like on the wire: the model's KV layout (every KV
+    head, whatever the tensor-parallel size) and the engine's tensor-parallel size. Both
+    connector sides share it; a tensor-parallel executor sets it before the first step."""
+
+    kv_layout: str
+    tp_size: int = 1
+
+
+def kv_layout(kv_spec, num_kv_heads: int | None = None) -> str:
+    """The layout both workers of a transfer must share, as kv_transfer_params' kv_layout
+    (num_kv_heads: the model's, where the spec is one rank's shard)."""
     dtype = str(kv_spec.dtype).removeprefix("torch.")
-    return f"{kv_spec.num_layers}x2x{kv_spec.num_kv_heads}x{kv_spec.head_dim}:{dtype}"
+    heads = kv_spec.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return f"{kv_spec.num_layers}x2x{heads}x{kv_spec.head_dim}:{dtype}"

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from tandem.kv.config import KVTransferConfig
 from tandem.kv.connector.base import KVConnectorScheduler, RequestView
-from tandem.kv.connector.metadata import KVConnectorMetadata, LoadSpec, SaveSpec, kv_layout
+from tandem.kv.connector.metadata import KVConnectorMetadata, LoadSpec, SaveSpec, TransferShape
+from tandem.kv.connector.ranks import ReadyInstalls
 from tandem.kv.control.plane import ControlPlane
 from tandem.kv.params import KVTransferParams, to_wire
 
@@ -32,11 +33,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 class PDConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, kv_spec, control: ControlPlane) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_spec,
+        control: ControlPlane,
+        shape: TransferShape,
+        installs: ReadyInstalls,
+    ) -> None:
         self.config = config
         self.recompute_on_failure = config.load_failure_policy == "recompute"
         self.block_size = kv_spec.block_size
-        self.kv_layout = kv_layout(kv_spec)
+        self.shape = shape
+        self.installs = installs
         self.control = control
         self.remote_decode: set[str] = set()  # prefill side: running requests that serve KV
         self.load_attempted: set[str] = set()
@@ -89,7 +98,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         loads, self.new_loads = self.new_loads, []
         self.loading.update(spec.request_id for spec in loads)
         abandoned, self.abandoned = self.abandoned, []
-        return KVConnectorMetadata(saves, loads, abandoned)
+        return KVConnectorMetadata(saves, loads, abandoned, self.installs.take_ready())
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.loading.difference_update(output.finished_recving)
@@ -122,11 +131,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
             remote_block_ids=block_ids[:num_blocks],
             remote_host=self.config.host,
             remote_port=self.control.port,
-            tp_size=1,
+            tp_size=self.shape.tp_size,
             kv_transport=self.config.transport,
             num_prompt_tokens=request.num_prompt_tokens,
             block_size=self.block_size,
-            kv_layout=self.kv_layout,
+            kv_layout=self.shape.kv_layout,
             first_token_id=request.first_token_id,
             **lease.exported,
         )

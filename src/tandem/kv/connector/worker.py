@@ -8,7 +8,9 @@ plane that reads in place, the lease held for it), on a load thread; a plane tha
 place then holds the prefill's lease while it reads (cuda-ipc: the engine thread queues the copy
 at the start of its next step) and confirms once the copy is done, on a confirmation thread;
 tcp's read confirms itself. Every load is reported once, in get_finished: finished_recving or
-failed_recving (with the failure's kind), and a handoff's first token.
+failed_recving (with the failure's kind), and a handoff's first token. On rank 0 of a
+tensor-parallel engine (`attach_ranks`), saves and reads carry every rank's KV heads and a read
+is reported once every rank has installed its heads of it (`ranks`).
 Invariant: no thread of this side ever waits on the network while it holds the engine thread.
 """
 
@@ -26,7 +28,14 @@ import torch
 from tandem.engine.outputs import HandedOffToken, KVConnectorOutput
 from tandem.kv.config import KVTransferConfig
 from tandem.kv.connector.base import KVConnectorWorker
-from tandem.kv.connector.metadata import KVConnectorMetadata, LoadSpec, kv_layout
+from tandem.kv.connector.metadata import (
+    InstallSpec,
+    KVConnectorMetadata,
+    LoadSpec,
+    TransferShape,
+    kv_layout,
+)
+from tandem.kv.connector.ranks import HeadRelay, ReadyInstalls, install_shards
 from tandem.kv.control.client import Hold
 from tandem.kv.control.plane import ControlPlane
 from tandem.kv.data import data_plane_class
@@ -71,16 +80,29 @@ def announced(message: dict[str, Any]) -> tuple[HandedOffToken, KVTransferParams
 
 class PDConnectorWorker(KVConnectorWorker):
     def __init__(
-        self, config: KVTransferConfig, kv_spec, device: torch.device, control: ControlPlane
+        self,
+        config: KVTransferConfig,
+        kv_spec,
+        device: torch.device,
+        control: ControlPlane,
+        shape: TransferShape,
+        installs: ReadyInstalls,
     ) -> None:
         self.config = config
+        self.kv_spec = kv_spec
         self.block_size = kv_spec.block_size
-        self.kv_layout = kv_layout(kv_spec)
+        self.shape = shape
         self.layers, self.kv_heads = (0, kv_spec.num_layers), (0, kv_spec.num_kv_heads)
         self.control = control
+        self.relay: HeadRelay | None = None  # several ranks: their shards move through rank 0
+        self.installs = installs
         plane_class = data_plane_class(config.transport)
         self.plane = plane_class(
-            device, config.transfer_timeout_s, control.client, lambda: control.wakeup()
+            device,
+            config.transfer_timeout_s,
+            control.client,
+            lambda: control.wakeup(),
+            advertised_host=config.host,
         )
         self.lock = threading.Lock()
         self.loading: set[str] = set()
@@ -102,6 +124,19 @@ class PDConnectorWorker(KVConnectorWorker):
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.plane.register_kv_cache(kv_cache)
 
+    def attach_ranks(self, relay: HeadRelay) -> None:
+        """A tensor-parallel engine's rank 0: transfers carry every rank's KV heads."""
+        if self.plane.reads_in_place:
+            raise ValueError(
+                f"tensor parallelism moves KV over tcp, not {self.config.transport}: start "
+                "this worker with --kv-transport tcp or --tensor-parallel-size 1"
+            )
+        self.relay = relay
+        self.plane.relay = relay
+        self.kv_heads = (0, relay.layout.num_kv_heads)
+        self.shape.kv_layout = kv_layout(self.kv_spec, relay.layout.num_kv_heads)
+        self.shape.tp_size = relay.layout.size
+
     # -- saves -----------------------------------------------------------------------------------
 
     def save_kv_layer(self, layer_index: int, metadata: KVConnectorMetadata | None) -> None:
@@ -122,6 +157,10 @@ class PDConnectorWorker(KVConnectorWorker):
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is None:
             return
+        for install in metadata.installs:  # every rank takes its heads of rank 0's reads
+            layers, installed = self.installs.take_pending(install.request_id)
+            install_shards(self.relay, self.plane.kv_cache, install, layers)
+            installed()
         with self.lock:
             for request_id in metadata.abandoned:
                 if request_id in self.loading:
@@ -203,6 +242,16 @@ class PDConnectorWorker(KVConnectorWorker):
             if hold is not None:
                 hold.abandon()
             self._report(spec, remote, handed_off, failure=load_failure(spec.request_id, exc))
+            return
+        if self.relay is not None:  # every rank installs its heads first, in the next step
+            install = InstallSpec(spec.request_id, spec.local_block_ids, spec.first_block)
+            self.installs.add(
+                install,
+                read.host_layers,
+                lambda: self._report(spec, remote, handed_off, num_bytes=num_bytes),
+            )
+            self.control.record_seconds(time.monotonic() - started)
+            self.control.wakeup()
             return
         seconds = time.monotonic() - started
         self._report(spec, remote, handed_off, num_bytes=num_bytes)
@@ -298,11 +347,11 @@ class PDConnectorWorker(KVConnectorWorker):
         transport = remote.kv_transport or "tcp"
         if transport != self.config.transport:
             raise KVTransferError("mismatch", f"the prefill worker uses transport {transport!r}")
-        if remote.block_size != self.block_size or remote.kv_layout != self.kv_layout:
+        if remote.block_size != self.block_size or remote.kv_layout != self.shape.kv_layout:
             raise KVTransferError(
                 "mismatch",
                 f"the prefill worker's KV layout ({remote.kv_layout}, block size "
-                f"{remote.block_size}) differs from this worker's ({self.kv_layout}, "
+                f"{remote.block_size}) differs from this worker's ({self.shape.kv_layout}, "
                 f"block size {self.block_size})",
             )
         if remote.num_prompt_tokens not in (None, num_prompt_tokens):

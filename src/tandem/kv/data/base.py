@@ -65,6 +65,7 @@ class ReadHandle:
     (KVTransferError for the transfer's own failures)."""
 
     def __init__(self, on_done: Callable[[ReadHandle], None] | None = None) -> None:
+        self.host_layers: list[torch.Tensor] | None = None  # a relayed read's bytes (tcp)
         self._future: Future[int] = Future()
         self._copied: Callable[[], float] = lambda: 0.0
         if on_done is not None:
@@ -108,14 +109,27 @@ class DataPlane(abc.ABC):
         transfer_timeout_s: float,
         client: Any,
         wake_engine: Callable[[], None],
+        advertised_host: str = "127.0.0.1",
     ) -> None:
         """client: the control plane's KVClient (None on a worker that reads no KV);
-        wake_engine(): wakes an idle engine loop, for reads queued for its thread."""
+        wake_engine(): wakes an idle engine loop, for reads queued for its thread;
+        advertised_host: the host peers reach this worker at (its KV server's)."""
+        self.advertised_host = advertised_host
         self.device = device
         self.transfer_timeout_s = transfer_timeout_s
         self.client = client
         self.wake_engine = wake_engine
         self.kv_cache: torch.Tensor | None = None
+        # rank 0 of a tensor-parallel engine: its transfers carry every rank's KV heads,
+        # gathered through this (tandem.kv.connector.ranks.HeadRelay); None: one rank
+        self.relay: Any = None
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads a transfer of this plane carries: the model's."""
+        if self.relay is not None:
+            return self.relay.layout.num_kv_heads
+        return self.kv_cache.shape[4]
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache[layer, 0 = key | 1 = value, block, offset, kv_head, head_dim]."""
@@ -150,10 +164,10 @@ class DataPlane(abc.ABC):
         return None
 
     def check_whole(self, source: BlockSource) -> None:
-        """Today's planes read whole caches: every layer and every KV head of the source."""
+        """Today's planes read whole transfers: every layer and every KV head of the source."""
         from tandem.kv.errors import KVTransferError
 
-        num_layers, num_kv_heads = self.kv_cache.shape[0], self.kv_cache.shape[4]
+        num_layers, num_kv_heads = self.kv_cache.shape[0], self.num_kv_heads
         if source.layers != (0, num_layers) or source.kv_heads != (0, num_kv_heads):
             raise KVTransferError(
                 "mismatch",

@@ -6,8 +6,10 @@ layer i's blocks into it on a side stream as soon as the layer is written, and t
 Destination side: start_read() runs a FETCH on a read thread (the control plane's client):
 each layer lands in host staging and is scattered into the local blocks as it arrives (host to
 device on a side stream); the fetch's CONFIRM ends the source's lease. Any two hosts, no
-library. Invariant: a read's handle ends only after every copy into the local blocks is done,
-also on failure (the blocks may be freed next).
+library. On rank 0 of a tensor-parallel engine (`relay`), a staged layer gathers every rank's
+KV heads, and a read stays in host staging for the ranks to install (kv/connector/ranks.py).
+Invariant: a read's handle ends only after every copy into the local blocks is done, also on
+failure (the blocks may be freed next).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class TcpDataPlane(DataPlane):
         self.readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kv-tcp-read")
 
     def _host_layers(self, num_blocks: int) -> list[torch.Tensor]:
-        shape = (2, num_blocks, *self.kv_cache.shape[3:])  # [2, blocks, block_size, heads, dim]
+        block_size, head_dim = self.kv_cache.shape[3], self.kv_cache.shape[5]
+        shape = (2, num_blocks, block_size, self.num_kv_heads, head_dim)
         return [
             torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=self.pinned)
             for _ in range(self.kv_cache.shape[0])
@@ -60,6 +63,10 @@ class TcpDataPlane(DataPlane):
         block_ids, staged, events = entry
         index = torch.tensor(block_ids, device=self.device)
         source = self.kv_cache[layer_index]  # [2, num_blocks, block_size, heads, dim]
+        if self.relay is not None:  # every rank's heads, gathered here (a collective)
+            gathered = self.relay.gather_heads(source.index_select(1, index))
+            staged.layers[layer_index].copy_(gathered)
+            return
         if self.copy_stream is None:
             torch.index_select(source, 1, index, out=staged.layers[layer_index])
             return
@@ -97,6 +104,8 @@ class TcpDataPlane(DataPlane):
 
             def on_layer(layer_index: int) -> None:
                 received = staging[layer_index][:, first_block:]
+                if self.relay is not None:  # every rank installs its heads in a later step
+                    return
                 if stream is None:
                     self.kv_cache[layer_index].index_copy_(1, targets, received)
                     return
@@ -119,6 +128,8 @@ class TcpDataPlane(DataPlane):
         except BaseException as exc:
             handle.fail(exc)
             return
+        if self.relay is not None:
+            handle.host_layers = staging
         handle.finish(StagedTransfer(staging).num_bytes)
 
     def close(self) -> None:
