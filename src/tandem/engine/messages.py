@@ -49,9 +49,6 @@ class NewRequest(msgspec.Struct):
 
     @classmethod
     def of(cls, request: Request) -> NewRequest:
-        kv_transfer_params = request.kv_transfer_params
-        if isinstance(kv_transfer_params, dict):  # the API process's output processor's form
-            kv_transfer_params = msgspec.convert(kv_transfer_params, KVTransferParams)
         return cls(
             request.request_id,
             request.prompt_token_ids,
@@ -59,7 +56,7 @@ class NewRequest(msgspec.Struct):
             request.eos_token_ids,
             request.max_total_tokens,
             request.arrival_time,
-            kv_transfer_params,
+            request.kv_transfer_params,
             request.output_token_ids,
         )
 

@@ -24,6 +24,7 @@ from tandem.engine.detokenizer import TextState
 from tandem.engine.outputs import EngineCoreOutput, TokenLogprobs
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kv.connector.base import KVTransferParams
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -215,7 +216,7 @@ class InputProcessor:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> list[Request]:
         num_prompt = len(prompt_token_ids)
         self.check_num_tokens(num_prompt)
@@ -265,7 +266,7 @@ class SequenceDelta:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # a prefill leg's answer (its lease)
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first delta
     # an error's HTTP status: 500 (a bug) unless the server cannot serve now (503: retry)

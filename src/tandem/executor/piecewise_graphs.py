@@ -1,40 +1,26 @@
 """Piecewise CUDA graphs of the forward pass for batches of up to `max_tokens` tokens (prompts,
-prefill chunks, mixed prefill and decode batches), one set of pieces per size of a ladder.
+prefill chunks, mixed batches), one set of pieces per size of a ladder (docs/architecture.md,
+"One engine step"; the numbers are in docs/benchmarks.md).
 
-An eager forward pass of a small model is bound by the host: some ten kernel launches per layer,
-each costing more host time than the GPU spends on it for a few hundred tokens. All of a layer
-but its attention depends on the number of tokens alone, so that part is captured for a padded
-token count; the attention, whose launch shape depends on the batch's sequences, runs eagerly
-between the pieces, over the real tokens only:
+A small model's eager pass is bound by the host's kernel launches. All of a layer but its
+attention depends on the token count alone, so that part is captured for a padded count; the
+attention, whose launch shape depends on the batch's sequences, runs eagerly between the pieces
+over the real tokens:
 
     piece 0        embedding, layer 0's input norm and attention inputs (q/k/v projection,
                    norms, rotary, K/V store)
     attention 0    eager
     piece i        layer i-1's output projection, MLP and residual adds; layer i's attention
-                   inputs
-    ...
+                   inputs ...
     piece L        the last layer's output and the final norm
 
 The pieces read the token inputs from a static buffer (padding rows: token 0, position 0, slot
--1, which stores nothing) and hand each other the residual stream, the queries and the attention
-output through static buffers too, so the graphs of all sizes share one memory pool for their
-temporaries: the pieces of one size replay in the order they were captured, and never
-interleaved with another size's. Needs the fused kernels (the K/V store inside the captured
-projection, the residual stream updated in place).
-
-A batch of one sequence (a prompt alone, or a chunk of one, with or without a cached prefix)
-needs no eager attention: its metadata fits static buffers too (query_start_loc [0, n],
-seq_lens [context], one block table row as wide as the longest context), and its attention's
-launch covers the padded size, the query tiles past the real tokens returning at once. So each
-size also gets one whole-pass graph, pieces and attention together, which that batch replays in
-one launch; the KV connector's per-layer calls then run after it, unless they have work to
-overlap with the pass (the TCP transport's copies out), in which case the pieces run.
-
-Where a batch is bound by the GPU (a large model, many tokens) the graphs save nothing and the
-padding costs GPU time. So the sizes are timed once captured, largest first, against the eager
-pass on the same batch, and those where the graphs do not save a tenth are given up: larger
-batches run eagerly.
-"""
+-1, which stores nothing) and pass the residual stream, queries and attention output through
+static buffers, so all sizes share one memory pool: a size's pieces replay in capture order,
+never interleaved with another size's. Needs the fused kernels. A batch of one sequence replays
+one whole-pass graph of its size instead (its metadata fits static buffers too), the connector's
+per-layer calls after it unless they overlap the pass (TCP's copies out). Sizes whose graphs do
+not save a tenth of the eager time (timed once captured) run eagerly, as do larger batches."""
 
 from __future__ import annotations
 

@@ -10,13 +10,15 @@ shapes:
     handoff leg   do_remote_prefill + handoff_id, remote_host,   ... once the prefill announces
                   remote_port, kv_transport (no first token)     the rest under handoff_id
 
-`KVTransferParams` checks types and static ranges; `parse_kv_transfer_params` then holds them to
-this worker (role, transport, block size, vocabulary) and to the request's prompt, and returns
-what the engine gets, typed: the struct is the one form inside the engine and the connector;
-`to_wire` makes the JSON-ready dict (nulls left out) where params leave it. Unknown keys are
+`KVTransferParams` checks types and static ranges (`typed`); `check_kv_transfer_params` then
+holds them to this worker (role, transport, block size, vocabulary) and to the request's prompt
+(`parse_kv_transfer_params` does both). The struct is the one form in the API process, the
+engine and the connector; `to_wire` makes the JSON-ready dict (nulls left out) where params
+leave them, in an HTTP answer or a request to another worker. Unknown keys are
 ignored (vLLM sends some). Every refusal is a `KVParamsError` naming the field. A layout the
-prefill and decode workers do not share (`kv_layout`) is the connector's to find: it recomputes
-or fails the load, as for any transfer that cannot be used.
+prefill and decode workers do not share (`kv_layout`, the model's whatever either side's
+tensor-parallel size) is refused here where the worker knows its own, else the connector finds
+it and recomputes or fails the load, as for any transfer that cannot be used.
 
 `HandedOutLeases` remembers the lease ids (`remote_request_id`) a prefill worker gave out, so
 that `POST /v1/kv/release` can answer 404 for any other id.
@@ -33,6 +35,7 @@ from msgspec import Meta
 
 MAX_ID_LENGTH = 256  # ids, host names and layouts; a CUDA IPC handle may be longer
 MAX_HANDLE_LENGTH = 16384
+MAX_TP_SIZE = 64
 
 ShortString = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
 NonNegative = Annotated[int, Meta(ge=0)]
@@ -48,13 +51,17 @@ class KVTransferParams(msgspec.Struct, frozen=True):
     remote_block_ids: list[NonNegative] | None = None
     remote_host: ShortString | None = None
     remote_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
-    tp_size: Annotated[int, Meta(ge=1, le=1)] | None = None  # tensor-parallel KV: not yet
+    # the prefill engine's tensor-parallel size; its kv_layout is the model's (every KV head),
+    # whatever the size, so a decode of any size pairs with it (docs/protocol.md)
+    tp_size: Annotated[int, Meta(ge=1, le=MAX_TP_SIZE)] | None = None
     kv_transport: ShortString | None = None
     first_token_id: NonNegative | None = None
     num_prompt_tokens: Positive | None = None
     block_size: Positive | None = None
     kv_layout: ShortString | None = None
     kv_ipc_handle: Annotated[str, Meta(min_length=1, max_length=MAX_HANDLE_LENGTH)] | None = None
+    # tandem's own: where nixl and mooncake read the prefill's cache (kv/data/registered.py)
+    kv_memory_handle: Annotated[str, Meta(min_length=1, max_length=MAX_HANDLE_LENGTH)] | None = None
     # tandem's own (no vLLM name): the client has the first token already, from the prefill's
     # answer, so the decode leg's stream starts after it (docs/protocol.md, "The first token")
     first_token_sent: bool | None = None
@@ -66,7 +73,7 @@ class KVTransferParams(msgspec.Struct, frozen=True):
 
 
 # What a decode leg in vLLM's flow needs from the prefill answer; a handoff leg gets it from the
-# announcement. cuda-ipc also needs kv_ipc_handle.
+# announcement. cuda-ipc also needs kv_ipc_handle; nixl and mooncake kv_memory_handle.
 DECODE_FIELDS = (
     "first_token_id",
     "remote_engine_id",
@@ -94,6 +101,7 @@ class WorkerKV:
     transport: str | None
     block_size: int
     vocab_size: int
+    kv_layout: str | None = None  # this worker's transfers' layout (None: not held to it)
 
 
 def parse_kv_transfer_params(
@@ -104,9 +112,17 @@ def parse_kv_transfer_params(
     if raw is None:
         return None
     params = typed(raw)
+    check_kv_transfer_params(params, worker, num_prompt_tokens)
+    return params
+
+
+def check_kv_transfer_params(
+    params: KVTransferParams, worker: WorkerKV, num_prompt_tokens: int
+) -> None:
+    """KVParamsError unless typed params fit this worker and a prompt of `num_prompt_tokens`
+    tokens (params made in this process, as the `pd` server's legs, are held to it too)."""
     check_shape(params, worker)
     check_against(params, worker, num_prompt_tokens)
-    return params
 
 
 def to_wire(params: KVTransferParams) -> dict[str, Any]:
@@ -152,6 +168,8 @@ def check_shape(params: KVTransferParams, worker: WorkerKV) -> None:
         needed += DECODE_FIELDS
         if worker.transport == "cuda-ipc":
             needed.append("kv_ipc_handle")
+        if worker.transport in ("nixl", "mooncake"):
+            needed.append("kv_memory_handle")
     for field in needed:
         if getattr(params, field) is None:
             message = "a decode leg needs it: pass on the prefill answer's kv_transfer_params"
@@ -182,6 +200,13 @@ def check_against(params: KVTransferParams, worker: WorkerKV, num_prompt_tokens:
             "(start both workers with the same --block-size)"
         )
         raise KVParamsError("block_size", message)
+    if params.kv_layout is not None and worker.kv_layout not in (None, params.kv_layout):
+        message = (
+            f"{params.kv_layout!r}, but this worker's KV layout is {worker.kv_layout!r} (layers x "
+            "2 x KV heads x head size: dtype): both workers must serve the same model with the "
+            "same --dtype"
+        )
+        raise KVParamsError("kv_layout", message)
     num_blocks = -(-num_prompt_tokens // worker.block_size)
     if params.remote_block_ids is not None and len(params.remote_block_ids) != num_blocks:
         message = (

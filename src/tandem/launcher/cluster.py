@@ -1,4 +1,5 @@
-"""What `tandem serve` starts: the cluster description, from a YAML file and/or flags.
+"""What `tandem serve` starts: the cluster description, from a YAML file and/or flags
+(docs/router.md, "The cluster file").
 
     model: smollm2-135m-instruct
     served_model_name: [smollm2]  # names in the API (default: the model's)
@@ -13,20 +14,15 @@
     router: {prefill_policy: prefix-aware, disaggregation: conditional,
              max_local_prefill_length: 512, max_prefill_queue_tokens: 8192}
 
-Unknown keys are refused, and so is a cluster that cannot work; each refusal is one sentence
-that names the problem (`ClusterError`):
-* every role must serve the same model;
-* prefill, decode and auto must agree on the KV layout (block_size, dtype) and transport;
-* prefill workers need decode workers to continue their requests, and decode workers need
-  prefill workers to feed them (colocated workers are role `both`); auto workers can be either;
-* decode workers need a kv_transport when there are prefill workers;
-* a pd server needs nothing beside it: the router sees it as a colocated worker;
-* the router, worker and KV port ranges must not overlap;
-* no secret: a cluster file is the kind of file that gets committed, so the cluster token and the
-  API key come from `tandem serve`'s flags or environment, and a `cluster_token` key or an
-  `extra_args` with `--cluster-token` or `--api-key` is refused.
-A prefill or auto role without a kv_transport takes the decode role's.
-"""
+Unknown keys are refused, and so is a cluster that cannot work, each in one sentence naming
+the problem (`ClusterError`): roles serving different models; prefill, decode and auto roles
+that differ in KV layout (block_size, dtype) or transport; prefill workers without decode
+workers or the reverse (auto workers can be either, colocated ones are role `both`; a pd server
+needs nothing beside it); decode workers without a kv_transport beside prefill workers;
+overlapping router, worker and KV port ranges; a secret (a `cluster_token` key, or
+`--cluster-token` or `--api-key` in `extra_args`: they come from `tandem serve`'s flags or
+environment, as a cluster file is the kind of file that gets committed). A prefill or auto role
+without a kv_transport takes the decode role's."""
 
 from __future__ import annotations
 
@@ -38,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tandem import DEFAULT_MODEL
 
-KV_TRANSPORTS = ("auto", "tcp", "cuda-ipc")
+KV_TRANSPORTS = ("auto", "tcp", "cuda-ipc", "nixl", "mooncake")
 SECRET_FLAGS = ("--cluster-token", "--api-key")  # never in a file, never on a command line
 
 
@@ -61,7 +57,8 @@ class EngineSettings(_Strict):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     scheduling_policy: Literal["fcfs", "priority"] | None = None
-    kv_transport: Literal["auto", "tcp", "cuda-ipc"] | None = None  # auto: cuda-ipc on GPUs
+    # auto: cuda-ipc on GPUs, else nixl where installed, else tcp
+    kv_transport: Literal["auto", "tcp", "cuda-ipc", "nixl", "mooncake"] | None = None
     # tool_choice "auto" answered with calls found in this format (--enable-auto-tool-choice)
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None  # chat reasoning split off

@@ -14,20 +14,14 @@ cache's format version, the file's resolved path, size and modification time, an
 the packages that convert it (gguf, transformers); a change to any of them makes a new entry.
 
 Invariants:
-* An artifact appears whole or not at all: it is written under a temporary name beside its place
-  and renamed there.
-* One process builds an artifact while the others that want it wait on its lock file, then read
-  what it wrote. Each artifact has its own lock: one process can convert the tokenizer while
-  another dequantizes the weights.
-* An artifact that does not load (truncated, corrupt) is logged, ignored and rebuilt.
-* What the cache gives is exactly what the uncached path gives: the same config dict, a tokenizer
-  with the same vocabulary, rules and chat template, and the same parameters (the cache holds
-  the bytes of the parameters the uncached load made). A cached file whose tensors are not the
-  model's parameters (another layout) counts as damaged.
-* Parameters mapped from a cached file keep it mapped: the file is never changed in place, only
-  replaced (a rename), so a mapped file stays whole.
-* The cache only saves time: where it cannot be written, the artifact is built and used as is, and
-  a warning says why.
+* An artifact appears whole or not at all (written under a temporary name, then renamed), so a
+  file mapped from the cache stays whole; one that does not load is logged and rebuilt.
+* One process builds an artifact while the others wait on its own lock file, then read it.
+* The cache gives exactly what the uncached path gives: the same config dict, a tokenizer with
+  the same vocabulary, rules and chat template, the bytes of the same parameters (a cached file
+  whose tensors are not the model's parameters counts as damaged).
+* The cache only saves time: where it cannot be written, the artifact is built and used as is,
+  and a warning says why.
 """
 
 from __future__ import annotations

@@ -23,10 +23,14 @@ def from_wire(raw: Any) -> KVTransferParams:
     return msgspec.convert(raw, KVTransferParams)
 
 
+def prefill_params(handoff_id: str | None = None) -> KVTransferParams:
+    """A prefill leg's kv_transfer_params (with `handoff_id`: a handoff's)."""
+    return KVTransferParams(do_remote_decode=True, do_remote_prefill=False, handoff_id=handoff_id)
+
+
 def prefill_kv_params(handoff_id: str | None = None) -> dict[str, Any]:
-    """A prefill leg's kv_transfer_params (with `handoff_id`: a handoff's), on the wire."""
-    params = KVTransferParams(do_remote_decode=True, do_remote_prefill=False, handoff_id=handoff_id)
-    return dict.fromkeys(VLLM_PREFILL_NULLS) | to_wire(params)
+    """A prefill leg's kv_transfer_params on the wire, in vLLM's shape."""
+    return dict.fromkeys(VLLM_PREFILL_NULLS) | to_wire(prefill_params(handoff_id))
 
 
 def handoff_decode_params(

@@ -1,34 +1,25 @@
-"""The pool of workers the router knows, and which of them may take requests now.
+"""The pool of workers the router knows, and which of them may take requests now (docs/router.md,
+"Discovery and health" and "Failures").
 
 A worker is known either statically (a command-line URL; it stays known for the router's life) or
 by registration (`POST /internal/workers/register`; it is forgotten when its heartbeats stop for
 `heartbeat_timeout_s`, or when it deregisters). A known worker is *in the pool* while it is
-healthy:
+healthy: `health_failures` failed `GET /health` checks in a row (one every `health_interval_s`)
+or a connection refused or reset while proxying take it out, one passing check brings it back;
+a registered worker whose last heartbeat is older than `heartbeat_timeout_s` is out.
 
-* every `health_interval_s` the router calls each worker's `GET /health`; `health_failures`
-  failures in a row take it out, one success brings it back;
-* a connection refused or reset while proxying takes it out at once (the next good health check
-  brings it back);
-* a registered worker whose last heartbeat is older than `heartbeat_timeout_s` is out.
-
-Out of the pool is not *lost*. The requests in flight on a worker are never cut for taking long
-(a long generation or a long queue is no failure, and vLLM's server cuts neither); they are
-given up only when the worker is lost: out of the pool with its health checks unanswered (timed
-out, not refused) for `read_timeout_s`, or, registered, forgotten for its missing heartbeats.
-`Worker.when_lost()` is resolved then, with the reason, and the legs waiting on it end. A
-refused health check does not count: a worker that closed its port is draining (its open
+Out of the pool is not *lost*. Requests in flight on a worker are never cut for taking long;
+they are given up only when the worker is lost: out of the pool with its health checks
+unanswered (timed out, not refused) for `read_timeout_s`, or, registered, forgotten for its
+missing heartbeats. `Worker.when_lost()` is resolved then, with the reason, and the legs waiting
+on it end. A refused check does not count: a worker that closed its port is draining (its open
 connections still answer) or dead (they break on their own).
 
-Every worker, static or registered, enters the pool only through a passing health check: the
-router runs one round before it serves, and checks a registering worker at once (a heartbeat
-from a worker out of the pool triggers another check), so registration is discovery, never a
-claim of health. All state is touched from the router's event loop only.
-
-A tandem worker's health answer carries its load report (`WorkerLoad`: requests running and
-waiting, prompt tokens waiting to be computed, KV blocks in use), at most a health interval old;
-an `auto` worker's current duty (`assigned`: prefill, or decode and whole requests) is the
-planner's, set after each health round (planner.py).
-"""
+Every worker enters the pool only through a passing health check (one round before the router
+serves; a registering worker, or one out of the pool that sends a heartbeat, is checked at
+once): registration is discovery, never a claim of health. A tandem worker's health answer
+carries its load (`WorkerLoad`), and an `auto` worker's duty (`assigned`) is the planner's, set
+after each health round (planner.py). All state is touched from the router's event loop only."""
 
 from __future__ import annotations
 

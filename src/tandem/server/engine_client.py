@@ -57,7 +57,13 @@ from tandem.engine.processor import (
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import tokenizer_json
-from tandem.kv.params import HandedOutLeases, WorkerKV, parse_kv_transfer_params, to_wire
+from tandem.kv.params import (
+    HandedOutLeases,
+    KVTransferParams,
+    WorkerKV,
+    check_kv_transfer_params,
+    typed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -258,8 +264,10 @@ class AsyncEngineClient:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[SequenceDelta]:
         """Deltas of every output sequence of the request, as they come; aborts the request in
-        the core if the consumer stops early."""
-        stream = await self.submit(request_id, prompt_token_ids, params, kv_transfer_params)
+        the core if the consumer stops early. `kv_transfer_params` are a request body's, typed
+        here (KVParamsError names a field this worker cannot take)."""
+        kv_params = None if kv_transfer_params is None else typed(kv_transfer_params)
+        stream = await self.submit(request_id, prompt_token_ids, params, kv_params)
         try:
             while not stream.finished:
                 yield await stream.next()
@@ -271,10 +279,11 @@ class AsyncEngineClient:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_params: KVTransferParams | None = None,
     ) -> RequestStream:
         """Send the request to the core; its deltas are the stream's. Admission errors (a full
-        queue, a bad value, a dead engine) raise here. Whoever submits closes the stream."""
+        queue, a bad value, params this worker cannot take, a dead engine) raise here. Whoever
+        submits closes the stream."""
         if self.dead:
             raise EngineDeadError(ENGINE_DIED)
         max_waiting = self.config.max_waiting
@@ -282,9 +291,8 @@ class AsyncEngineClient:
             raise ValueError(f"n must be at most {max_waiting}, the size of this server's queue")
         if self._num_unstarted + params.n > max_waiting:
             raise QueueFullError(f"{self._num_unstarted} requests are already waiting; retry later")
-        kv_params = parse_kv_transfer_params(
-            kv_transfer_params, self.kv_worker, len(prompt_token_ids)
-        )
+        if kv_params is not None:
+            check_kv_transfer_params(kv_params, self.kv_worker, len(prompt_token_ids))
         first_token_id = kv_params.first_token_id if kv_params else None
         # A handoff's first token comes from the engine once the prefill announced it.
         remote_prefill = bool(kv_params and kv_params.do_remote_prefill) and not (
@@ -293,10 +301,7 @@ class AsyncEngineClient:
         unused_lease = None
         if remote_prefill and params.n > 1:  # n samples, n first tokens: all computed here
             unused_lease, kv_params, remote_prefill = kv_params, None, False
-        # The requests' params in their wire form, which the output processor reads.
-        requests = self.inputs.make_requests(
-            request_id, prompt_token_ids, params, to_wire(kv_params) if kv_params else None
-        )
+        requests = self.inputs.make_requests(request_id, prompt_token_ids, params, kv_params)
         stream = RequestStream(self, request_id, [r.request_id for r in requests])
         self._children[request_id] = stream.child_ids
         to_submit: list[Request] = []
@@ -376,8 +381,6 @@ class AsyncEngineClient:
             return []
         to_abort: list[str] = []
         for output in core_outputs:
-            if output.kv_transfer_params is not None:  # a prefill's answer: its wire form
-                output.kv_transfer_params = to_wire(output.kv_transfer_params)
             try:
                 deltas, stopped = self.outputs.process([output])
             except Exception as exc:  # fails this request alone (an abort ends its lease too)
@@ -390,7 +393,7 @@ class AsyncEngineClient:
             to_abort.extend(stopped)
             for delta in deltas:
                 if delta.kv_transfer_params is not None:  # a prefill leg's lease
-                    self.leases.add(delta.kv_transfer_params["remote_request_id"])
+                    self.leases.add(delta.kv_transfer_params.remote_request_id)
                 queue = self._queues.get(child_request_id(delta.request_id, delta.index))
                 if queue is not None:
                     queue.put_nowait(delta)

@@ -31,7 +31,7 @@ from tandem.engine.processor import SequenceDelta
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv.params import KVTransferParams
 from tandem.pd.handoff import FirstToken, hand_off
-from tandem.pd.params import from_wire, handoff_decode_params, prefill_kv_params, to_wire
+from tandem.pd.params import handoff_decode_params, prefill_params
 from tandem.pd.text import stop_hold_back
 from tandem.server.engine_client import AsyncEngineClient, RequestStream
 
@@ -210,25 +210,23 @@ class EngineLegs:
             self.request_id,
             self.prompt_token_ids,
             prefill_leg_params(self.params),
-            prefill_kv_params(self.handoff_id),
+            prefill_params(self.handoff_id),
         )
 
     async def start_decode(self, params: KVTransferParams) -> None:
-        # The decode engine's wait reaches the prefill's KV server while the prefill runs; an
-        # early announcement made before it is kept for it (cuda-ipc), so its copy is still
-        # queued before the prefill ends.
+        # The decode engine waits on the prefill's KV server for the handoff's announcement,
+        # which the prefill engine makes once the prompt's KV is computed.
         self.decode_stream = await self.client.decode.submit(
-            self.request_id, self.prompt_token_ids, self.params, to_wire(params)
+            self.request_id, self.prompt_token_ids, self.params, params
         )
 
     async def prefill(self) -> FirstToken:
         assert self.prefill_stream is not None
         self.first = first = await self.prefill_stream.next()
         await self.prefill_stream.close()  # done on its one token: its state here goes
-        lease = None if first.kv_transfer_params is None else from_wire(first.kv_transfer_params)
         # the first token ended the request, or the prefill failed
         ends_request = first.finish_reason in ("stop", "error")
-        return FirstToken(first.text, lease, ends_request)
+        return FirstToken(first.text, first.kv_transfer_params, ends_request)
 
     def prefill_alone(self, first: FirstToken) -> list[SequenceDelta]:
         assert self.first is not None

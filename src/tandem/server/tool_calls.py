@@ -18,13 +18,11 @@ Each parser knows one output format:
   `<|python_end|>` (Llama 3.2 and 4 in their pythonic templates, ToolACE).
 
 An output whose calls are not all valid JSON of that shape is content, with no calls, as in vLLM.
-While a response streams, `content_end` says how much of the text so far is surely content: the
-rest may begin a call. `calls_so_far` gives the calls begun: a call written as an object, its
-name first (`{"name": ..., "arguments": {...}}`, alone or in a list, and mistral's
-`name[ARGS]{...}`), is streamed from the moment its name is known, its arguments as the raw
-JSON text the model writes; from a call in another shape on (arguments as a string, pythonic),
-the calls wait for the whole output.
-"""
+While a response streams, `content_end` says how much of the text so far is surely content (the
+rest may begin a call) and `calls_so_far` gives the calls begun: one written as an object, name
+first (as above, or mistral's `name[ARGS]{...}`), streams once its name is known, its arguments
+as the raw JSON text the model writes; from a call in another shape on, the calls wait for the
+whole output."""
 
 from __future__ import annotations
 

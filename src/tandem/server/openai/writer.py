@@ -24,6 +24,7 @@ from typing import Any
 
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.processor import SequenceDelta
+from tandem.kv.params import to_wire
 from tandem.pd.text import shown_first_text, stop_hold_back
 from tandem.server.engine_client import AsyncEngineClient
 from tandem.server.metrics import WorkerMetrics
@@ -164,8 +165,10 @@ class ResponseWriter:
             ],
             "usage": self.usage(choices, cached),
         }
-        if self.body.kv_transfer_params is not None:
-            response["kv_transfer_params"] = kv_transfer_params
+        if self.body.kv_transfer_params is not None:  # a PD leg's: the lease, as JSON holds it
+            response["kv_transfer_params"] = (
+                None if kv_transfer_params is None else to_wire(kv_transfer_params)
+            )
         return self.with_response_fields(response, choices)
 
     def with_response_fields(
