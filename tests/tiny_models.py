@@ -40,15 +40,43 @@ SHAPES = {
     ),
 }
 
+# Mixture-of-experts shapes (tests/test_moe.py), apart from SHAPES: every engine test runs those.
+MOE_SHAPES = {
+    # Qwen3-MoE: 8 experts of 32 rows, top-2 renormalised (norm_topk_prob), q/k norms; layer 1
+    # keeps a dense MLP (mlp_only_layers)
+    "qwen3-moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+    # Mixtral: 4 experts of 64 rows, top-2 (a softmax over the top-2 logits), 1 KV head
+    "mixtral": dict(
+        model_type="mixtral",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+}
+
 
 def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
     """Save a random checkpoint of shape `name` (config.json + model.safetensors) in directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = dict(SHAPES[name])
+    settings = dict(SHAPES[name] if name in SHAPES else MOE_SHAPES[name])
     model_type = settings.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
+    defaults = dict(
         vocab_size=512,
         intermediate_size=160,
         num_hidden_layers=2,
@@ -59,8 +87,8 @@ def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        **settings,
     )
+    config = AutoConfig.for_model(model_type, **{**defaults, **settings})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory, safe_serialization=True)

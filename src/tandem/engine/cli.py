@@ -175,6 +175,12 @@ def add_engine_arguments(parser: argparse._ActionsContainer) -> None:
         "replicated when fewer than N. N must divide the attention heads, and divide or be a "
         "multiple of the KV heads. Not yet with a KV transfer (roles prefill, decode and pd)",
     )
+    parallel.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="place a mixture-of-experts model's experts whole on the tensor-parallel ranks "
+        "(N must divide the experts) instead of splitting every expert over them",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, command: str):
@@ -204,6 +210,7 @@ def engine_config_from_args(args: argparse.Namespace, command: str):
         busy_poll_s=args.busy_poll_s,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

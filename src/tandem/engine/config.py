@@ -53,6 +53,8 @@ class EngineConfig:
     seed: int = 0
     # ranks the model is split over, one process each (rank r on GPU device + r on CUDA)
     tensor_parallel_size: int = 1
+    # a mixture-of-experts model's experts placed whole on the ranks instead of each split
+    enable_expert_parallel: bool = False
 
     def resolved(self) -> EngineConfig:
         """Replace every "auto" by what it means on this machine, and check the values."""

@@ -40,7 +40,6 @@ from tandem.distributed.group import TensorParallelGroup, host_store, join_group
 from tandem.distributed.sharding import check_tensor_parallel
 from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import RunnerOutput, SchedulerOutput
-from tandem.engine.runner import KVCacheSpec
 from tandem.executor.base import Executor, ExecutorFailedError
 from tandem.executor.rank import (
     REPLY_DECODER,
@@ -53,6 +52,7 @@ from tandem.executor.rank import (
     Shutdown,
     rank_device,
 )
+from tandem.executor.runner import KVCacheSpec
 from tandem.kv.connector.base import KVConnectorWorker
 from tandem.models.loader import ModelSource
 
@@ -66,7 +66,7 @@ DEATH_GRACE_S = 1.0  # a step that raised: how long to wait for a rank's exit to
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         size = config.tensor_parallel_size
-        check_tensor_parallel(source.config, size)
+        check_tensor_parallel(source.config, size, config.enable_expert_parallel)
         self.size = size
         self.stopping = False
         self.encoder = msgspec.msgpack.Encoder()
@@ -113,7 +113,13 @@ class MultiprocExecutor(Executor):
     def initialize_kv_cache(
         self, kv_spec: KVCacheSpec, connector: KVConnectorWorker, max_model_len: int
     ) -> None:
-        self._send(InitializeKVCache(kv_spec.num_blocks, max_model_len))
+        kv_transfer = hasattr(connector, "attach_ranks")  # a PD role's connector
+        if kv_transfer:
+            from tandem.kv.connector.ranks import HeadRelay, RankLayout
+
+            layout = RankLayout.of(self.rank.source.config.num_kv_heads, self.size)
+            connector.attach_ranks(HeadRelay(self.tp, layout))
+        self._send(InitializeKVCache(kv_spec.num_blocks, max_model_len, kv_transfer))
         self.rank.initialize_kv_cache(kv_spec.num_blocks, connector, max_model_len)
         self._wait_replies("allocate its KV cache")
 

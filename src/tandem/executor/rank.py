@@ -22,8 +22,8 @@ from tandem.attention.base import get_backend
 from tandem.distributed.group import TensorParallelGroup
 from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput, TokenLogprobs
-from tandem.engine.runner import KVCacheSpec, ModelRunner, plan_kv_cache
-from tandem.engine.sampler import Sampler
+from tandem.executor.runner import KVCacheSpec, ModelRunner, plan_kv_cache
+from tandem.executor.sampler import Sampler
 from tandem.kv.connector.base import KVConnectorWorker
 from tandem.models.loader import ModelSource, load_model
 
@@ -35,6 +35,7 @@ class PlanKVCache(msgspec.Struct, tag=True):
 class InitializeKVCache(msgspec.Struct, tag=True):
     num_blocks: int  # the fewest any rank has room for
     max_model_len: int
+    kv_transfer: bool = False  # a PD role: the rank's KV shard moves through rank 0
 
 
 class ExecuteModel(msgspec.Struct, tag=True):
@@ -98,6 +99,7 @@ class Rank:
             config.load_format,
             config.seed,
             tp,
+            config.enable_expert_parallel,
         )
         self.kv_spec: KVCacheSpec | None = None
         self.runner: ModelRunner | None = None

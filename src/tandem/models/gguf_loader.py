@@ -1,13 +1,10 @@
-"""GGUF checkpoints: config, weights and tokenizer for the Llama-family decoder.
-
-A GGUF file (llama.cpp's format) is turned into what a Hugging Face checkpoint would give: a
-config.json-style dict, `(hf_name, float32 tensor)` pairs, and a fast tokenizer.
+"""GGUF checkpoints (llama.cpp's format) of the Llama family, turned into what a Hugging Face
+checkpoint gives: a config.json-style dict, `(hf_name, float32 tensor)` pairs, a fast tokenizer.
 
 Invariants:
 * Weights come out under Hugging Face names and in Hugging Face shapes. GGUF lists a tensor's
   dimensions fastest-varying first (`ne[0]` is the row length), the reverse of torch's order.
-* Every tensor is dequantized to float32 with the `gguf` package; a type it cannot dequantize is a
-  ValueError naming the tensor and the type.
+* Every tensor is dequantized to float32 by the `gguf` package, or a ValueError names its type.
 * For `general.architecture == "llama"` llama.cpp's converter reorders the rows of each attn_q /
   attn_k head, because its RoPE rotates adjacent pairs while Hugging Face's rotates the two halves
   of the head. The loader undoes that, per head of `head_dim` rows, pair i = (x_i, y_i):
@@ -16,14 +13,15 @@ Invariants:
       HF   (rotate_half):     x0 x1 ... x(d/2-1) y0 y1 ... y(d/2-1)  view (2, d/2)
 
   qwen2 / qwen3 files use the NeoX (halves) RoPE and are stored unpermuted.
-* Llama 3 RoPE scaling is stored by llama.cpp as a tensor of per-frequency divisors
-  (`rope_freqs.weight`); it is turned back into `config["rope_scaling"]` (rope_type "llama3") and
-  is not yielded as a weight.
-* No output.weight tensor means tied embeddings: `lm_head.weight` is then not yielded.
-* The gguf package's reader (ours, and the one transformers' tokenizer conversion makes) sees the
-  file as a plain ndarray view of its mapping instead of an np.memmap: the same bytes, without the
-  memmap subclass's bookkeeping on each of the ~10^6 slices the parse of a 49k-token vocabulary
-  takes, which was most of its time (SmolLM2's parse on 2 CPU cores: 5.4 s, 1.7 s without).
+* Llama 3 RoPE scaling, stored as per-frequency divisors (`rope_freqs.weight`), becomes
+  `config["rope_scaling"]` (rope_type "llama3"), not a weight. No output.weight: tied embeddings.
+* A "llama" file with `llama.expert_count` is Mixtral (llama.cpp converts it so): its router
+  `ffn_gate_inp` and its experts, stacked (`ffn_{gate,up,down}_exps`, [experts, rows, columns])
+  or one tensor per expert (`ffn_{gate,up,down}.E`, older files), come out as Mixtral's
+  `block_sparse_moe.gate` and `block_sparse_moe.experts.E.{w1,w3,w2}`.
+* The gguf package's readers (ours, transformers' tokenizer conversion's) see the file as a
+  plain ndarray view of its mapping, not an np.memmap: the same bytes, without the subclass's
+  bookkeeping on each of a vocabulary's ~10^6 slices (SmolLM2's parse: 5.4 s, 1.7 s without).
 """
 
 from __future__ import annotations
@@ -74,8 +72,12 @@ LAYER_TENSOR_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "block_sparse_moe.gate",  # Mixtral's router
 }
 LAYER_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Mixtral's experts: stacked (blk.N.ffn_gate_exps.weight) or one each (blk.N.ffn_gate.E.weight)
+EXPERT_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(_exps|\.(\d+))\.weight")
+EXPERT_PROJECTIONS = {"gate": "w1", "up": "w3", "down": "w2"}
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 # Llama 3's context length before its RoPE extension. Only the ratios of this length to the low
@@ -178,6 +180,19 @@ def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": _model_dtype(reader),
     }
+    num_experts = _int_field(reader, f"{arch}.expert_count", 0)
+    if num_experts:
+        if arch != "llama":
+            raise ValueError(
+                f"{os.fspath(path)} holds a mixture-of-experts {arch!r} model; tandem runs "
+                "GGUF files of Mixtral (llama with experts) only: use the safetensors checkpoint"
+            )
+        config.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_local_experts=num_experts,
+            num_experts_per_tok=_int_field(reader, f"{arch}.expert_used_count"),
+        )
     rope_scaling = _rope_scaling(reader, arch, head_dim, rope_theta)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
@@ -199,6 +214,10 @@ def iter_gguf_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
     num_key_value_heads = _int_field(reader, f"{arch}.attention.head_count_kv", num_attention_heads)
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
+            continue
+        expert = EXPERT_TENSOR_PATTERN.fullmatch(tensor.name)
+        if expert is not None:
+            yield from _expert_weights(expert, _dequantize(tensor))
             continue
         hf_name = hf_tensor_name(tensor.name)
         weights = _dequantize(tensor)
@@ -227,6 +246,18 @@ def hf_tensor_name(gguf_name: str) -> str:
         layer, module, suffix = match.groups()
         return f"model.layers.{layer}.{LAYER_TENSOR_NAMES[module]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a Llama-family decoder.")
+
+
+def _expert_weights(match: re.Match, weights: np.ndarray) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Mixtral expert tensor (or a stack of them) under Hugging Face names."""
+    layer, projection, _, expert = match.groups()
+    prefix = f"model.layers.{layer}.block_sparse_moe.experts"
+    name = EXPERT_PROJECTIONS[projection]
+    if expert is not None:
+        yield f"{prefix}.{expert}.{name}.weight", torch.from_numpy(weights)
+        return
+    for index, matrix in enumerate(weights):  # [experts, rows, columns]
+        yield f"{prefix}.{index}.{name}.weight", torch.from_numpy(np.ascontiguousarray(matrix))
 
 
 def _architecture(reader: gguf.GGUFReader, path: str | os.PathLike) -> str:

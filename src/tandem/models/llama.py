@@ -19,6 +19,7 @@ a tensor of the wrong shape or with no place in the model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -124,18 +125,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """mlp: [T, hidden] -> [T, hidden], summed over the ranks (LlamaMLP, or a model's experts)."""
+
     def __init__(
         self,
         config: ModelConfig,
         backend: AttentionBackend,
         fused: bool,
         tp: TensorParallelGroup,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.self_attn = LlamaAttention(config, backend, fused, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.mlp = LlamaMLP(config, fused, tp)
+        self.mlp = mlp
 
 
 class LlamaModel(nn.Module):
@@ -145,11 +149,13 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         fused: bool,
         tp: TensorParallelGroup,
+        build_mlp: Callable[[int], nn.Module],
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, fused, tp) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, backend, fused, tp, build_mlp(index))
+            for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.rotary = RotaryEmbedding(config)
@@ -181,10 +187,14 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops = fused_ops
         self.backend = backend
         self.tp = tp = tp or TensorParallelGroup.single()
-        self.model = LlamaModel(config, backend, fused_ops, tp)
+        self.model = LlamaModel(config, backend, fused_ops, tp, self.build_mlp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, fused_ops, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_mlp(self, index: int) -> nn.Module:
+        """Layer `index`'s MLP (a subclass's may be experts)."""
+        return LlamaMLP(self.config, self.fused_ops, self.tp)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -275,11 +285,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, shard = name, None
-            for fragment, (packed, index) in PACKED_PROJECTIONS.items():
-                if f".{fragment}." in name:
-                    target, shard = name.replace(fragment, packed), index
-                    break
+            target, shard = self.checkpoint_target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
@@ -292,11 +298,22 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} {exc}") from None
             loaded.add(f"{target}#{shard}")
         expected = set()
-        for name in params:
-            owner = self.get_submodule(name.rpartition(".")[0])
-            packed = isinstance(owner, ColumnParallelLinear) and owner.num_shards > 1
-            shards = range(owner.num_shards) if packed else [None]
-            expected.update(f"{name}#{shard}" for shard in shards)
+        for name, param in params.items():
+            expected.update(f"{name}#{shard}" for shard in self.checkpoint_shards(name, param))
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def checkpoint_target(self, name: str) -> tuple[str, Any]:
+        """(the parameter a checkpoint tensor fills, the shard id its weight loader takes)."""
+        for fragment, (packed, index) in PACKED_PROJECTIONS.items():
+            if f".{fragment}." in name:
+                return name.replace(fragment, packed), index
+        return name, None
+
+    def checkpoint_shards(self, name: str, param: nn.Parameter) -> list[Any]:
+        """The shard ids of the checkpoint tensors that together fill a parameter."""
+        owner = self.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, ColumnParallelLinear) and owner.num_shards > 1:
+            return list(range(owner.num_shards))
+        return [None]

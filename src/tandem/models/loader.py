@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -170,8 +170,10 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TensorParallelGroup | None = None,
+    enable_expert_parallel: bool = False,
 ) -> CausalLM:
-    """The model (this rank's shard of it, under tensor parallelism) with its weights."""
+    """The model (this rank's shard of it, under tensor parallelism) with its weights;
+    enable_expert_parallel: a mixture-of-experts model's experts placed whole on the ranks."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, not {load_format!r}")
     if source.kind == "config" and load_format != "dummy":
@@ -183,7 +185,8 @@ def load_model(
     # Every parameter is filled below: load_weights refuses a checkpoint that lacks one.
     with _default_dtype(dtype), torch.device(device), _without_parameter_init():
         fused_ops = device.type == "cuda" and triton_available()
-        model = model_class(source.config, backend, fused_ops, tp or TensorParallelGroup.single())
+        tp = replace(tp or TensorParallelGroup.single(), expert_parallel=enable_expert_parallel)
+        model = model_class(source.config, backend, fused_ops, tp)
     if load_format == "dummy":
         generator = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():

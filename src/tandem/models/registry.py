@@ -20,6 +20,9 @@ MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("tandem.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tandem.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("tandem.models.llama", "LlamaForCausalLM"),
+    # mixture-of-experts decoders: one class too (see models/moe.py)
+    "Qwen3MoeForCausalLM": ("tandem.models.moe", "MoeForCausalLM"),
+    "MixtralForCausalLM": ("tandem.models.moe", "MoeForCausalLM"),
 }
 # model_type -> architecture, for configs that name no architecture
 ARCHITECTURE_OF_MODEL_TYPE = {
@@ -27,6 +30,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
