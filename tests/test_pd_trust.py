@@ -216,7 +216,8 @@ def test_bad_field_values_from_the_cluster_are_400s_before_the_engine(client, me
         "block_size": [32],
         "remote_host": ["", "h" * 1000],
         "kv_transport": ["cuda-ipc"],
-        "tp_size": [2],
+        "tp_size": [0, 65],
+        "kv_layout": ["30x2x3x64:float16", "x"],
         "remote_request_id": [""],
     }
     for field, values in bad_values.items():

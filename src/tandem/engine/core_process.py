@@ -124,6 +124,7 @@ def run_engine_core(
         vocab_size=core.model_config.vocab_size,
         eos_token_ids=core.eos_token_ids,
         kv_port=core.connector.kv_port,
+        kv_layout=core.connector.kv_layout,
     )
     # What start-up built (the model, its modules, the tokenizer's tables) lives as long as the
     # process: frozen, the garbage collector stops walking it, which shortens its pauses in the

@@ -196,6 +196,7 @@ class AsyncEngineClient:
             kv.transport if kv else None,
             self.config.block_size,
             self.inputs.vocab_size,
+            self.info.kv_layout,
         )
         self._output_task = asyncio.create_task(self._output_loop())
         if self.dead:

@@ -104,6 +104,11 @@ class KVConnectorScheduler:
         """Where this engine's KV server listens (an engine that serves KV)."""
         return None
 
+    @property
+    def kv_layout(self) -> str | None:
+        """The KV layout this engine's transfers carry (an engine with KV transfer)."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         return {}
 

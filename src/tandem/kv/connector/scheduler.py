@@ -180,6 +180,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def kv_port(self) -> int | None:
         return self.control.port
 
+    @property
+    def kv_layout(self) -> str | None:
+        return self.shape.kv_layout
+
     def stats(self) -> dict:
         return self.control.stats()
 
