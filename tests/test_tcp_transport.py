@@ -1068,5 +1068,6 @@ def test_data_planes_load_only_when_chosen():
     assert result.stdout.split() == ["TcpDataPlane", "False"], result.stderr
     from tandem.kv.data import data_plane_class
 
-    with pytest.raises(ValueError, match="'nixl'; the transports are: tcp, cuda-ipc"):
-        data_plane_class("nixl")
+    transports = "tcp, cuda-ipc, nixl, mooncake"
+    with pytest.raises(ValueError, match=f"'rdma'; the transports are: {transports}"):
+        data_plane_class("rdma")

@@ -117,8 +117,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: auto")
     parser.add_argument(
         "--kv-transport",
-        choices=("auto", "tcp", "cuda-ipc"),
-        help="KV transport of prefill and decode (default auto: cuda-ipc on GPUs, else tcp)",
+        choices=("auto", "tcp", "cuda-ipc", "nixl", "mooncake"),
+        help="KV transport of prefill and decode (default auto: cuda-ipc on GPUs of this host, "
+        "else tcp; nixl and mooncake when named)",
     )
     parser.add_argument(
         "--api-key",

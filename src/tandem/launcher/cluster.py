@@ -57,7 +57,7 @@ class EngineSettings(_Strict):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     scheduling_policy: Literal["fcfs", "priority"] | None = None
-    # auto: cuda-ipc on GPUs, else nixl where installed, else tcp
+    # auto: cuda-ipc on GPUs (of one host), else tcp; nixl and mooncake when named
     kv_transport: Literal["auto", "tcp", "cuda-ipc", "nixl", "mooncake"] | None = None
     # tool_choice "auto" answered with calls found in this format (--enable-auto-tool-choice)
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None

@@ -5,7 +5,8 @@ order prefill, decode, both, pd, auto. With GPUs, the workers take the GPUs in t
 number of GPUs), one each as `--device cuda:i`, two for a pd server (`--device cuda:i
 --decode-device cuda:i+1`); every worker sees the same GPUs under the same indices, which CUDA
 IPC between them needs. The KV transport `auto` becomes cuda-ipc on GPUs (all workers share this
-host) and tcp on CPUs. The router gets pd servers as colocated (`--worker`) workers.
+host), and on CPUs nixl where it is installed, else tcp. The router gets pd servers as colocated
+(`--worker`) workers.
 
 Secrets (the API key, the cluster token) never appear on a command line, where any user of the
 host can read them: every child gets them in its environment (`child_environment`), and reads
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tandem.access import API_KEY_ENV, CLUSTER_TOKEN_ENV
+from tandem.kv.data import auto_transport
 from tandem.launcher.cluster import WORKER_ROLES, ClusterSpec
 
 # the router keys of a cluster file passed on as `tandem router --key-name value`
@@ -71,7 +73,7 @@ def plan_processes(
     spec: ClusterSpec, device: str, num_gpus: int, python: str = sys.executable
 ) -> list[ProcessPlan]:
     """The workers, then the router, with their command lines (nothing is started)."""
-    transport = "cuda-ipc" if device == "cuda" else "tcp"
+    transport = auto_transport(on_gpus=device == "cuda")
     plans: list[ProcessPlan] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": [], "auto": []}
     next_gpu = 0  # one GPU per worker, two per pd server (its prefill's, then its decode's)

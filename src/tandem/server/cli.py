@@ -27,6 +27,7 @@ from tandem.engine.cli import (
     refuse_unknown_architecture,
 )
 from tandem.http_options import add_http_arguments, check_http_args
+from tandem.kv.data import DATA_PLANES, installed
 from tandem.server import kv_transfer_config
 from tandem.server.worker_flags import KV_FLAG_DEFAULTS, add_worker_arguments
 
@@ -68,7 +69,13 @@ def add_parser(subparsers) -> None:
     add_http_arguments(parser.add_argument_group("HTTP server"))
     add_worker_arguments(parser)
     kv = parser.add_argument_group("KV transfer (PD)")
-    kv.add_argument("--kv-transport", default=None, choices=["tcp", "cuda-ipc"])
+    kv.add_argument(
+        "--kv-transport",
+        default=None,
+        choices=list(DATA_PLANES),
+        help="tcp: any two hosts, no library; cuda-ipc: GPUs of one host; nixl, mooncake: "
+        "across hosts over RDMA or TCP (pip install 'tandem[nixl]' / 'tandem[mooncake]')",
+    )
     kv.add_argument("--kv-host", default=None, help="address decode workers reach (default --host)")
     kv.add_argument("--kv-port", type=int, default=0, help="KV server port (0: any free port)")
     kv.add_argument(
@@ -103,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
     configure_logging()
     for note in kv_transfer_config.apply(args, KV_FLAG_DEFAULTS):
         logger.info("%s", note)
+    if args.kv_transport and not installed(args.kv_transport):
+        raise SystemExit(
+            f"tandem worker: --kv-transport {args.kv_transport} needs its library: "
+            f"pip install 'tandem[{args.kv_transport}]'"
+        )
     config = engine_config_from_args(args, "worker")
     refuse_unknown_architecture(config, "worker")
     return serve(args, config)

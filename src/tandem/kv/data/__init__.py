@@ -1,10 +1,13 @@
 """The KV data planes by name (`--kv-transport`), each imported only when chosen, so that a plane
-whose library is missing costs nothing until it is asked for (nixl and mooncake come as entries).
+whose library is missing costs nothing until it is asked for (nixl: NIXL, mooncake: Mooncake's
+transfer engine, both optional extras); asking for one without its library is an ImportError
+that names the pip install.
 `tandem.kv.data.base` holds the interface every plane implements."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -13,7 +16,26 @@ if TYPE_CHECKING:
 DATA_PLANES = {
     "tcp": "tandem.kv.data.tcp:TcpDataPlane",
     "cuda-ipc": "tandem.kv.data.cuda_ipc:CudaIpcDataPlane",
+    "nixl": "tandem.kv.data.nixl:NixlDataPlane",
+    "mooncake": "tandem.kv.data.mooncake:MooncakeDataPlane",
 }
+# the modules whose presence makes a plane usable (what `auto` and the start-up check look for)
+LIBRARIES = {"nixl": ("nixl", "nixl_cu12"), "mooncake": ("mooncake.engine",)}
+
+
+def installed(name: str) -> bool:
+    """Whether the library a transport needs is importable (tcp and cuda-ipc need none)."""
+    modules = LIBRARIES.get(name, ())
+    return not modules or any(importlib.util.find_spec(module) for module in modules)
+
+
+def auto_transport(on_gpus: bool, one_host: bool = True) -> str:
+    """What `auto` picks: cuda-ipc between GPUs of one host; nixl between GPUs of several hosts
+    where it is installed (RDMA); tcp otherwise, CPU workers included (over UCX's TCP, nixl took
+    twice tcp's time on loopback: docs/benchmarks.md)."""
+    if on_gpus and one_host:
+        return "cuda-ipc"
+    return "nixl" if on_gpus and installed("nixl") else "tcp"
 
 
 def data_plane_class(name: str) -> type[DataPlane]:

@@ -1,0 +1,155 @@
+"""KV transfer through the data planes on CPU loopback: tcp, nixl and mooncake in one run.
+
+A source process holds a KV cache of the Qwen3-0.6B shape (28 layers x 8 KV heads x head_dim 128,
+bf16, 16-token blocks) and serves one prompt's blocks (default 10k tokens, scattered block ids)
+through each plane: tcp stages and streams them over its KV server; nixl (UCX, UCX_TLS=tcp unless
+set) and mooncake (its tcp protocol) are read in place from the registered cache. This process
+reads them into its own cache through the same plane's start_read, the way a decode worker does,
+and checks the bytes once against the source. Reports the median seconds and GB/s (1 GB = 1e9
+bytes) over the repetitions, and each plane's time as a ratio of tcp's. A plane whose library is
+not installed is left out.
+
+    PYTHONPATH=src python benchmarks/kv_transfer_planes.py [--tokens 10000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.kv.data import data_plane_class, installed
+from tandem.kv.data.base import BlockSource
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 8, 128, 16
+DTYPE = torch.bfloat16
+TRANSFER_TIMEOUT_S = 300.0
+
+SOURCE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from tandem.kv.data import data_plane_class
+    from tandem.kv.control.server import KVServer
+    transport, shape, block_ids, repeats = sys.argv[1], json.loads(sys.argv[2]), \\
+        json.loads(sys.argv[3]), int(sys.argv[4])
+    cache = torch.empty(shape, dtype=torch.bfloat16)
+    for layer in range(shape[0]):  # deterministic contents the reader recomputes
+        cache[layer].copy_(torch.arange(cache[layer].numel()).view(cache[layer].shape) + layer)
+    plane = data_plane_class(transport)(torch.device("cpu"), 300.0, None, lambda: None)
+    plane.register_kv_cache(cache)
+    server = KVServer("127.0.0.1", 0)
+    if transport == "tcp":
+        for index in range(repeats + 1):
+            staged = plane.stage(f"t{index}", block_ids)
+            for layer in range(shape[0]):
+                plane.save_layer(f"t{index}", layer)
+            server.publish(f"t{index}", staged.layers, staged.wait_layer)
+    print("ready", json.dumps({"port": server.port, "exported": plane.export()}), flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def cache_shape(num_blocks: int) -> list[int]:
+    return [LAYERS, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM]
+
+
+def expected_cache(shape: list[int]) -> torch.Tensor:
+    cache = torch.empty(shape, dtype=DTYPE)
+    for layer in range(shape[0]):
+        cache[layer].copy_(torch.arange(cache[layer].numel()).view(cache[layer].shape) + layer)
+    return cache
+
+
+def bench(transport: str, args: argparse.Namespace, block_ids: list[int], shape: list[int]):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent / "src"))
+    command = [sys.executable, "-c", SOURCE, transport, json.dumps(shape)]
+    command += [json.dumps(block_ids), str(args.repeats)]
+    source = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        for line in source.stdout:
+            if line.startswith("ready "):
+                ready = json.loads(line.removeprefix("ready "))
+                break
+        else:
+            raise RuntimeError(f"the {transport} source exited with {source.wait()}")
+        client = None
+        if transport == "tcp":
+            from tandem.kv.control.client import KVClient
+
+            client = KVClient()
+        plane = data_plane_class(transport)(torch.device("cpu"), TRANSFER_TIMEOUT_S, client, int)
+        local = torch.zeros(shape, dtype=DTYPE)
+        plane.register_kv_cache(local)
+        local_ids = list(range(len(block_ids)))
+        seconds = []
+        for index in range(args.repeats + 1):  # the first read connects: not timed
+            source_of = BlockSource(
+                "source", "127.0.0.1", ready["port"], f"t{index}", block_ids,
+                f"{LAYERS}x2x{KV_HEADS}x{HEAD_DIM}:bfloat16", (0, LAYERS), (0, KV_HEADS),
+                ready["exported"],
+            )  # fmt: skip
+            started = time.perf_counter()
+            read = plane.start_read(source_of, local_ids, 0)
+            num_bytes = read.result() if read.wait(TRANSFER_TIMEOUT_S) else None
+            if num_bytes is None:
+                raise RuntimeError(f"the {transport} read did not end")
+            if index:
+                seconds.append(time.perf_counter() - started)
+        reference = expected_cache(shape)[:, :, block_ids]
+        if not torch.equal(local[:, :, local_ids], reference):
+            raise RuntimeError(f"the {transport} read moved wrong bytes")
+        plane.close()
+        return num_bytes, seconds
+    finally:
+        source.stdin.close()
+        source.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", help="write the results as JSON here too")
+    args = parser.parse_args()
+    os.environ.setdefault("UCX_TLS", "tcp")
+    num_blocks = -(-args.tokens // BLOCK_SIZE)
+    # the prompt's blocks, scattered over a cache twice their size (runs of 1 to 4 blocks)
+    generator = torch.Generator().manual_seed(0)
+    block_ids = torch.randperm(2 * num_blocks, generator=generator)[:num_blocks].tolist()
+    shape = cache_shape(2 * num_blocks)
+    rows = []
+    for transport in ("tcp", "nixl", "mooncake"):
+        if not installed(transport):
+            print(f"{transport}: not installed, left out", file=sys.stderr)
+            continue
+        num_bytes, seconds = bench(transport, args, block_ids, shape)
+        median = statistics.median(seconds)
+        rows.append({"transport": transport, "bytes": num_bytes, "seconds": median,
+                     "gb_per_s": num_bytes / median / 1e9, "samples": seconds})  # fmt: skip
+    tcp_seconds = next(row["seconds"] for row in rows if row["transport"] == "tcp")
+    machine = f"{platform.node()} ({os.cpu_count()} CPUs), UCX_TLS={os.environ['UCX_TLS']}"
+    print(f"{args.tokens} tokens, Qwen3-0.6B KV shape, {rows[0]['bytes'] / 1e6:.0f} MB; {machine}")
+    print("| transport | median s | GB/s | time / tcp's |")
+    print("| --- | --- | --- | --- |")
+    for row in rows:
+        row["ratio_to_tcp"] = row["seconds"] / tcp_seconds
+        print(f"| {row['transport']} | {row['seconds']:.3f} | {row['gb_per_s']:.2f} | "
+              f"{row['ratio_to_tcp']:.2f} |")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
