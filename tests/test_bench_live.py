@@ -22,6 +22,9 @@ import pytest
 
 from tandem.cli import main
 
+# minutes on two cores: `make test-all` runs it (see the Makefile)
+pytestmark = pytest.mark.slow
+
 MODEL = "smollm2-135m-instruct"
 STARTUP_TIMEOUT_S = 120.0
 

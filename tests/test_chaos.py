@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# a minute of load on a real cluster; `python tests/chaos.py` runs it at full scale
+pytestmark = pytest.mark.slow
+
 CHAOS = Path(__file__).resolve().parent / "chaos.py"
 
 

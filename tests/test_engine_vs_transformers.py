@@ -66,8 +66,17 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+def shape_variants():
+    """Every shape's default run; chunked prefill and preemption on llama-gqa, and on the other
+    shapes too when the slow tests run (the same scheduling paths, other layers)."""
+    for shape in sorted(SHAPES):
+        for variant in sorted(VARIANTS):
+            slow = variant != "default" and shape != "llama-gqa"
+            marks = [pytest.mark.slow] if slow else []
+            yield pytest.param(shape, variant, marks=marks, id=f"{shape}-{variant}")
+
+
+@pytest.mark.parametrize(("shape", "variant"), list(shape_variants()))
 def test_greedy_matches_transformers(shape, variant, tiny_checkpoints, references):
     llm = LLM(str(tiny_checkpoints[shape]), **VARIANTS[variant])
     outputs = llm.generate(PROMPTS, GREEDY)

@@ -29,6 +29,9 @@ import pytest
 from tandem import DEFAULT_MODEL
 from worker_fixtures import WorkerProcess, free_port, free_port_block, start_worker
 
+# minutes on two cores: `make test-all` runs it (see the Makefile)
+pytestmark = pytest.mark.slow
+
 lm_eval = pytest.importorskip("lm_eval")
 
 CAPITALS = [  # country, the right answer, three wrong ones

@@ -31,28 +31,14 @@ from tandem.models import registry
 from tandem.models.config import ModelConfig, MoEConfig
 from tandem.models.layers.moe import FusedMoE, TopKRouter, experts_reference
 from tandem.models.loader import SHIPPED_CONFIGS, iter_safetensors, load_model, resolve_model
-from tiny_models import MOE_SHAPES, make_checkpoint
+from tiny_models import MOE_SHAPES, make_checkpoint, varied_prompts
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 ENGINE = dict(num_kv_blocks=512, block_size=8, max_num_batched_tokens=96)  # chunked prefill
 
 
-def make_prompts() -> list[list[int]]:
-    """16 prompts of 1 to 120 tokens, some sharing prefixes (prefix-cache hits)."""
-    generator = torch.Generator().manual_seed(37)
-
-    def rand(n: int) -> list[int]:
-        return torch.randint(1, 512, (n,), generator=generator).tolist()
-
-    shared = rand(48)
-    prompts = [rand(n) for n in (1, 3, 8, 16, 17, 31, 64, 120)]
-    prompts += [shared[:20] + rand(5), shared + rand(9), shared + rand(1), shared[:33]]
-    prompts += [shared + rand(30), shared[:40], shared, list(prompts[5])]
-    return prompts
-
-
-PROMPTS = make_prompts()
+PROMPTS = varied_prompts(seed=37)
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,7 @@ def client() -> Iterator[httpx.Client]:
 VARIANTS = [(sampling, stream) for stream in (False, True) for sampling in SAMPLING]
 
 
+@pytest.mark.slow  # 30 s of long token-id prompts; the text and chat tests here are fast
 def test_token_id_prompts_match_both_worker(client, trio):
     """The 16 prompts, each with one of the 4 variants (greedy / seeded x collected / streamed),
     so every variant meets short, long, block-aligned and prefix-sharing prompts."""

@@ -167,21 +167,28 @@ def test_failed_load_is_a_clear_error_with_fail_policy(client, workers, prefill,
 
 
 def test_unusable_params_fail_before_any_transfer(client, workers):
-    """A layout mismatch and an unknown transfer id: recomputed, or a clear error."""
+    """A layout that is not the decode worker's: a 400 naming it before any block is allocated.
+    An unknown transfer id: recomputed, or a clear error."""
     prefill = workers["prefill-drop"]
     body = request_body(3)
     params = prefill_leg(client, prefill.url, COMPLETIONS, body)["kv_transfer_params"]
     wrong_layout = dict(params, kv_layout="2x2x9x16:float32")
+    for decode in ("decode-recompute", "decode-fail"):
+        refused = decode_leg(client, workers[decode], body, wrong_layout)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "kv_transfer_params.kv_layout"
     unknown_id = dict(params, remote_request_id="no-such-transfer")
     expected = reference(client, workers, body)
-    for tampered, kind in ((wrong_layout, "mismatch"), (unknown_id, "not_found")):
-        recomputed = decode_leg(client, workers["decode-recompute"], body, tampered)
-        assert Completion.from_response(recomputed.json()) == expected
-        failed = decode_leg(client, workers["decode-fail"], body, tampered)
-        assert failed.status_code == 500 and f"({kind})" in failed.json()["error"]["message"]
+    recomputed = decode_leg(client, workers["decode-recompute"], body, unknown_id)
+    assert Completion.from_response(recomputed.json()) == expected
+    failed = decode_leg(client, workers["decode-fail"], body, unknown_id)
+    assert failed.status_code == 500 and "(not_found)" in failed.json()["error"]["message"]
     missing_first_token = {k: v for k, v in params.items() if k != "first_token_id"}
     refused = decode_leg(client, workers["decode"], body, missing_first_token)
     assert refused.status_code == 400 and "first_token_id" in refused.json()["error"]["message"]
+    # no decode leg took the lease over: it is released, as the router does on a refusal
+    release = {"remote_request_id": params["remote_request_id"]}
+    assert client.post(prefill.url + "/v1/kv/release", json=release).status_code == 200
     assert_nothing_held(
         prefill, workers["decode-recompute"], workers["decode-fail"], timeout=HOLD_TIMEOUT_S
     )

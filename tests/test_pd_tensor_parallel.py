@@ -22,8 +22,6 @@ from pd_fixtures import (
     running_workers,
 )
 
-pytestmark = pytest.mark.slow
-
 CHECKPOINT = "llama-gqa"  # 2 KV heads: one per rank at TP=2
 VOCAB = (1, 512)
 PROMPTS = prompt_set(1000, *VOCAB)[:10]  # 5 to 255 tokens, shared prefixes

@@ -223,6 +223,7 @@ def reasoning_and_content(client: httpx.Client, url: str, body: dict) -> tuple[s
     return reasoning, content or None
 
 
+@pytest.mark.slow  # four workers and two routers per parser; tests/test_pd_first_token.py is fast
 @pytest.mark.parametrize("stop", [None, ["\x00zz"]], ids=["no stop", "held back"])
 def test_reasoning_through_the_routers_pd_flow_is_the_both_workers(
     reasoning_cluster, thinking_tokenizer, stop

@@ -852,6 +852,7 @@ def test_vllm_prompt_logprobs(client, llm):
 # -- concurrency ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 20 s; tests/test_serve_cluster.py runs 64 concurrent streams fast
 async def test_64_concurrent_streams_match_the_offline_engine(worker, async_client, llm):
     subjects = ["a lighthouse", "the moon", "a small robot", "an old library", "the river"]
     styles = ["A short poem about", "Three facts about", "A story that begins with", "Why I like"]

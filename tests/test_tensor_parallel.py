@@ -41,27 +41,14 @@ from tandem.models.layers.linear import ColumnParallelLinear, QKVParallelLinear,
 from tandem.models.loader import iter_safetensors, load_model, resolve_model
 from tandem.server.main import ENGINE_DIED_EXIT_CODE
 from tiny_gguf import write_tiny_llama_gguf
+from tiny_models import varied_prompts
 from worker_fixtures import running_worker, start_worker
 
 SHAPES = ["llama-gqa", "qwen3-qknorm"]  # 4 heads over 2 KV heads; 4 heads over 1 KV head
 NEW_TOKENS = 12
 
 
-def make_prompts() -> list[list[int]]:
-    """16 prompts of 1 to 120 tokens, some sharing prefixes (prefix-cache hits)."""
-    generator = torch.Generator().manual_seed(33)
-
-    def rand(n: int) -> list[int]:
-        return torch.randint(1, 512, (n,), generator=generator).tolist()
-
-    shared = rand(48)
-    prompts = [rand(n) for n in (1, 3, 8, 16, 17, 31, 64, 120)]
-    prompts += [shared[:20] + rand(5), shared + rand(9), shared + rand(1), shared[:33]]
-    prompts += [shared + rand(30), shared[:40], shared, list(prompts[5])]
-    return prompts
-
-
-PROMPTS = make_prompts()
+PROMPTS = varied_prompts(seed=33)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 ENGINE = dict(num_kv_blocks=512, block_size=8, max_num_batched_tokens=96)  # chunked prefill
 

@@ -70,6 +70,20 @@ MOE_SHAPES = {
 }
 
 
+def varied_prompts(seed: int) -> list[list[int]]:
+    """16 prompts of 1 to 120 token ids below 512, some sharing prefixes (prefix-cache hits)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(1, 512, (n,), generator=generator).tolist()
+
+    shared = rand(48)
+    prompts = [rand(n) for n in (1, 3, 8, 16, 17, 31, 64, 120)]
+    prompts += [shared[:20] + rand(5), shared + rand(9), shared + rand(1), shared[:33]]
+    prompts += [shared + rand(30), shared[:40], shared, list(prompts[5])]
+    return prompts
+
+
 def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
     """Save a random checkpoint of shape `name` (config.json + model.safetensors) in directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
