@@ -56,8 +56,9 @@ from tandem.kv.params import (
     HandedOutLeases,
     KVParamsError,
     WorkerKV,
-    parse_kv_transfer_params,
+    check_kv_transfer_params,
     to_wire,
+    typed,
 )
 from tandem.router.app import parse_request_body
 from tandem.router.config import RouterConfig
@@ -312,6 +313,15 @@ HANDOFF_LEG = {
 }
 
 
+def parse(raw, worker: WorkerKV, num_prompt_tokens: int):
+    """What the worker's API process does with a body's params: type them, hold them to it."""
+    if raw is None:
+        return None
+    params = typed(raw)
+    check_kv_transfer_params(params, worker, num_prompt_tokens)
+    return params
+
+
 @pytest.mark.parametrize(
     ("worker", "raw", "expected"),
     [
@@ -343,7 +353,7 @@ HANDOFF_LEG = {
 )
 def test_params_a_worker_takes(worker, raw, expected):
     """Known fields pass on as given (nulls and unknown keys left out)."""
-    params = parse_kv_transfer_params(raw, worker, 40)
+    params = parse(raw, worker, 40)
     assert (None if params is None else to_wire(params)) == expected
 
 
@@ -378,7 +388,7 @@ def test_params_a_worker_takes(worker, raw, expected):
 )
 def test_params_a_worker_refuses_name_the_field(worker, raw, field):
     with pytest.raises(KVParamsError) as refusal:
-        parse_kv_transfer_params(raw, worker, 40)
+        parse(raw, worker, 40)
     assert refusal.value.param == f"kv_transfer_params.{field}"
     assert str(refusal.value).startswith(f"kv_transfer_params.{field}")
 

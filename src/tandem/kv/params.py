@@ -11,14 +11,14 @@ shapes:
                   remote_port, kv_transport (no first token)     the rest under handoff_id
 
 `KVTransferParams` checks types and static ranges (`typed`); `check_kv_transfer_params` then
-holds them to this worker (role, transport, block size, vocabulary) and to the request's prompt
-(`parse_kv_transfer_params` does both). The struct is the one form in the API process, the
-engine and the connector; `to_wire` makes the JSON-ready dict (nulls left out) where params
-leave them, in an HTTP answer or a request to another worker. Unknown keys are
-ignored (vLLM sends some). Every refusal is a `KVParamsError` naming the field. A layout the
-prefill and decode workers do not share (`kv_layout`, the model's whatever either side's
-tensor-parallel size) is refused here where the worker knows its own, else the connector finds
-it and recomputes or fails the load, as for any transfer that cannot be used.
+holds them to this worker (role, transport, block size, vocabulary) and to the request's prompt.
+The struct is the one form in the API process, the engine and the connector; `to_wire` makes the
+JSON-ready dict (nulls left out) where params leave them, in an HTTP answer or a request to
+another worker. Unknown keys are ignored (vLLM sends some). Every refusal is a `KVParamsError`
+naming the field. A layout the prefill and decode workers do not share (`kv_layout`, the
+model's whatever either side's tensor-parallel size) is refused here where the worker knows its
+own, else the connector finds it and recomputes or fails the load, as for any transfer that
+cannot be used.
 
 `HandedOutLeases` remembers the lease ids (`remote_request_id`) a prefill worker gave out, so
 that `POST /v1/kv/release` can answer 404 for any other id.
@@ -102,18 +102,6 @@ class WorkerKV:
     block_size: int
     vocab_size: int
     kv_layout: str | None = None  # this worker's transfers' layout (None: not held to it)
-
-
-def parse_kv_transfer_params(
-    raw: dict[str, Any] | None, worker: WorkerKV, num_prompt_tokens: int
-) -> KVTransferParams | None:
-    """The params the engine gets for a request of `num_prompt_tokens` tokens (None: none);
-    KVParamsError for anything this worker cannot take."""
-    if raw is None:
-        return None
-    params = typed(raw)
-    check_kv_transfer_params(params, worker, num_prompt_tokens)
-    return params
 
 
 def check_kv_transfer_params(
