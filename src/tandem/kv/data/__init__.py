@@ -29,13 +29,11 @@ def installed(name: str) -> bool:
     return not modules or any(importlib.util.find_spec(module) for module in modules)
 
 
-def auto_transport(on_gpus: bool, one_host: bool = True) -> str:
-    """What `auto` picks: cuda-ipc between GPUs of one host; nixl between GPUs of several hosts
-    where it is installed (RDMA); tcp otherwise, CPU workers included (over UCX's TCP, nixl took
-    twice tcp's time on loopback: docs/benchmarks.md)."""
-    if on_gpus and one_host:
-        return "cuda-ipc"
-    return "nixl" if on_gpus and installed("nixl") else "tcp"
+def auto_transport(on_gpus: bool) -> str:
+    """What `auto` picks for the workers `tandem serve` starts on one host: cuda-ipc between its
+    GPUs, else tcp (over UCX's TCP, nixl took twice tcp's time on loopback: docs/benchmarks.md;
+    nixl and mooncake are for hosts with RDMA, named with --kv-transport)."""
+    return "cuda-ipc" if on_gpus else "tcp"
 
 
 def data_plane_class(name: str) -> type[DataPlane]:
