@@ -391,3 +391,32 @@ def test_the_control_plane_gives_both_ends_its_token_and_counts_retries(monkeypa
         stranger.close()
         decode.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_worker_on_every_address_must_be_told_the_kv_address_it_advertises(host):
+    from tandem.cli import build_parser
+    from tandem.server.main import kv_config_from_args
+
+    def kv_config(*flags: str) -> KVTransferConfig:
+        args = build_parser().parse_args(["worker", "--role", "prefill", "--host", host, *flags])
+        return kv_config_from_args(args)
+
+    with pytest.raises(SystemExit, match="pass --kv-host with the address peers reach"):
+        kv_config()
+    assert kv_config("--kv-host", "10.1.2.3").host == "10.1.2.3"
+
+
+def test_a_worker_on_every_address_must_be_told_the_url_it_gives_its_router():
+    from tandem.cli import build_parser
+    from tandem.server.main import advertised_url
+
+    def url(*flags: str) -> str:
+        args = build_parser().parse_args(["worker", "--host", "0.0.0.0", *flags])
+        return advertised_url(args, "http://0.0.0.0:8100")
+
+    assert url() == "http://0.0.0.0:8100"  # no router: nothing is advertised
+    with pytest.raises(SystemExit, match="pass --advertise-url"):
+        url("--router", "http://10.0.0.1:8000")
+    given = "http://10.1.2.3:8100"
+    assert url("--router", "http://10.0.0.1:8000", "--advertise-url", given) == given

@@ -5,7 +5,7 @@ order prefill, decode, both, pd, auto. With GPUs, the workers take the GPUs in t
 number of GPUs), one each as `--device cuda:i`, two for a pd server (`--device cuda:i
 --decode-device cuda:i+1`); every worker sees the same GPUs under the same indices, which CUDA
 IPC between them needs. The KV transport `auto` becomes cuda-ipc on GPUs (all workers share this
-host), and on CPUs nixl where it is installed, else tcp. The router gets pd servers as colocated
+host), else tcp. The router gets pd servers as colocated
 (`--worker`) workers.
 
 Secrets (the API key, the cluster token) never appear on a command line, where any user of the

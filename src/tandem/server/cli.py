@@ -76,7 +76,12 @@ def add_parser(subparsers) -> None:
         help="tcp: any two hosts, no library; cuda-ipc: GPUs of one host; nixl, mooncake: "
         "across hosts over RDMA or TCP (pip install 'tandem[nixl]' / 'tandem[mooncake]')",
     )
-    kv.add_argument("--kv-host", default=None, help="address decode workers reach (default --host)")
+    kv.add_argument(
+        "--kv-host",
+        default=None,
+        help="address the KV port listens on and peers reach it at (default --host; needed "
+        "when --host is 0.0.0.0)",
+    )
     kv.add_argument("--kv-port", type=int, default=0, help="KV server port (0: any free port)")
     kv.add_argument(
         "--kv-transfer-config",

@@ -39,13 +39,30 @@ GRACEFUL_SHUTDOWN_S = 10
 ENGINE_DIED_EXIT_CODE = 3
 # between an engine's death and the exit: its requests' 503s go out, health checks see it
 ENGINE_DIED_EXIT_DELAY_S = 1.0
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # listen on every address: no address a peer can reach
 
 
 def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
     if args.role == "both" and args.kv_transport is None:
         return None
     kv_role = "both" if args.role == "auto" else args.role  # auto: serves and loads KV
-    return kv_config_of(args, kv_role, args.kv_transport or "tcp", args.kv_host or args.host)
+    kv_host = args.kv_host or args.host
+    if kv_host in WILDCARD_HOSTS:
+        raise SystemExit(
+            f"tandem worker: the KV port would tell its peers to reach it at {kv_host!r}, which "
+            "no other host can: pass --kv-host with the address peers reach this worker at"
+        )
+    return kv_config_of(args, kv_role, args.kv_transport or "tcp", kv_host)
+
+
+def advertised_url(args: argparse.Namespace, url: str) -> str:
+    """The URL this worker gives its router: --advertise-url, else the one it serves on."""
+    if args.router and not args.advertise_url and args.host in WILDCARD_HOSTS:
+        raise SystemExit(
+            f"tandem worker: --host {args.host!r} is no address the router can reach: pass "
+            "--advertise-url with the URL the router should use"
+        )
+    return args.advertise_url or url
 
 
 def kv_config_of(
@@ -135,6 +152,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             "(or set TANDEM_CLUSTER_TOKEN) on every worker and the router"
         )
     url = f"{url_scheme(args)}://{args.host}:{args.port}"
+    worker_url = advertised_url(args, url)
     started = {"ok": False}
     engine_death: dict[str, str] = {}
 
@@ -173,7 +191,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
             heartbeat = HeartbeatSender(
                 router_url=args.router,
-                worker_url=args.advertise_url or url,
+                worker_url=worker_url,
                 role="both" if args.role == "pd" else args.role,  # to a router: whole requests
                 model=settings.served_model_name,
                 token=args.cluster_token,
