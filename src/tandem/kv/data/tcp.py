@@ -61,17 +61,21 @@ class TcpDataPlane(DataPlane):
         if entry is None:
             return
         block_ids, staged, events = entry
-        index = torch.tensor(block_ids, device=self.device)
         source = self.kv_cache[layer_index]  # [2, num_blocks, block_size, heads, dim]
         if self.relay is not None:  # every rank's heads, gathered here (a collective)
+            index = torch.tensor(block_ids, device=self.device)
             gathered = self.relay.gather_heads(source.index_select(1, index))
             staged.layers[layer_index].copy_(gathered)
             return
         if self.copy_stream is None:
+            index = torch.tensor(block_ids, device=self.device)
             torch.index_select(source, 1, index, out=staged.layers[layer_index])
             return
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
+            # made on the copy stream, so its memory is not handed out again before the
+            # gather below has read it (the engine's stream runs ahead of this one)
+            index = torch.tensor(block_ids, device=self.device)
             gathered = source.index_select(1, index)
             staged.layers[layer_index].copy_(gathered, non_blocking=True)
             events[layer_index].record(self.copy_stream)
