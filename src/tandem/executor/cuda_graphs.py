@@ -77,7 +77,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self._upload(max_batch)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor | None] = {}
         self._capture()
 
     def _metadata(self, size: int) -> AttentionMetadata:
@@ -116,8 +116,9 @@ class DecodeGraphs:
         self.inputs[:num_bytes].copy_(self.staging[:num_bytes], non_blocking=True)
         self.staging_free.record()
 
-    def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
-        """Logits [len(requests), vocab] of a decode-only batch (one token per request)."""
+    def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor | None:
+        """Logits [len(requests), vocab] of a decode-only batch (one token per request); None
+        on a tensor-parallel rank other than the first, which only takes part."""
         num_seqs = len(requests)
         size = next(s for s in self.sizes if s >= num_seqs)
         block_size = self.block_size
@@ -135,4 +136,5 @@ class DecodeGraphs:
         self.staged_block_tables[num_seqs:size, 0] = 0
         self._upload(size)
         self.graphs[size].replay()
-        return self.logits[size][:num_seqs]
+        logits = self.logits[size]  # None on a tensor-parallel rank other than the first
+        return None if logits is None else logits[:num_seqs]

@@ -6,8 +6,10 @@ runner, in whichever process runs it), and the messages rank 0 sends the other r
 
 Invariants: every rank runs the same calls in the same order (each forward's collectives pair
 up across ranks); only rank 0 samples: the other ranks' runners take `NoSampling`, which
-stands in for the sampler and whose results nobody reads. CUDA graphs are off at more than one
-rank (capture across ranks is not ready): every step runs eagerly, the Triton kernels per rank.
+stands in for the sampler and whose results nobody reads. Every rank captures the same decode
+CUDA graphs (its collectives captured with them) and replays one exactly when rank 0 does, as
+the choice depends on the step's SchedulerOutput alone; piecewise prefill graphs stay off at
+more than one rank, where those steps run eagerly with the Triton kernels per rank.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class Rank:
             self.device,
             sampler,
             connector,
-            cuda_graph_max_batch=0,
+            cuda_graph_max_batch=0 if self.config.enforce_eager else self.config.max_num_seqs,
             max_seq_len=max_model_len,
             piecewise_graph_max_tokens=0,
         )

@@ -1,0 +1,146 @@
+"""Tensor parallelism on GPUs: the Llama-3.1-8B shape (dummy weights, bf16) at TP=1 and TP=2.
+
+    python benchmarks/tensor_parallel.py --out tp.json
+
+For each configuration (TP=1 with decode CUDA graphs, TP=2 with them, TP=2 eager), in a process of
+its own so each starts on empty GPUs: the wall time of one 8192-token prefill step and of one
+decode step at batch 1 (context 128 to 288), medians after warm-up, and the decode step against
+its roofline: the bytes one rank reads per step (its weight shard and its KV heads) over the
+measured device copy bandwidth. Prints the table, with TP=2 over TP=1 for both steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.core import EngineCore
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+
+CONFIGS = {"tp1": (1, False), "tp2": (2, False), "tp2-eager": (2, True)}
+PROMPT = 8192
+
+
+def copy_bandwidth() -> float:
+    source = torch.empty(2 << 30, dtype=torch.uint8, device="cuda:0")
+    dest = torch.empty_like(source)
+    dest.copy_(source)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dest.copy_(source)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * source.numel() / statistics.median(times)  # bytes/s, read + write
+
+
+def rank0_decode_bytes(core: EngineCore, context: int) -> int:
+    """Bytes rank 0 reads in one decode step: its weight shard (one embedding row, unless tied)
+    and its share of the context's KV."""
+    executor = core.executor
+    model = executor.rank.model if hasattr(executor, "rank") else executor.model
+    total = 0
+    for name, param in model.named_parameters():
+        if name.endswith("embed_tokens.weight") and not core.model_config.tie_word_embeddings:
+            continue
+        total += param.numel() * param.element_size()
+    return total + context * core.kv_spec.bytes_per_token
+
+
+def measure(name: str) -> dict:
+    size, eager = CONFIGS[name]
+    bandwidth = copy_bandwidth()
+    core = EngineCore(
+        EngineConfig(
+            model="llama-3.1-8b",
+            load_format="dummy",
+            device="cuda:0",
+            tensor_parallel_size=size,
+            enforce_eager=eager,
+            max_num_batched_tokens=PROMPT,
+            max_num_seqs=8,
+            max_model_len=16384,
+            gpu_memory_utilization=0.85,
+        )
+    )
+    generator = torch.Generator().manual_seed(0)
+
+    def request(request_id: str, length: int, max_tokens: int) -> Request:
+        ids = torch.randint(0, core.model_config.vocab_size, (length,), generator=generator)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return Request(request_id, ids.tolist(), params, max_total_tokens=core.max_model_len)
+
+    prefill_times = []
+    for index in range(4):
+        core.add_request(request(f"prefill-{index}", PROMPT, 1))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        core.step()
+        prefill_times.append(time.perf_counter() - start)
+        while core.has_work():
+            core.step()
+    core.add_request(request("decode", 128, 160))
+    core.step()
+    step_times = []
+    while core.has_work():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        core.step()
+        step_times.append(time.perf_counter() - start)
+    decode_s = statistics.median(step_times[10:])
+    roofline_s = rank0_decode_bytes(core, 128 + 80) / bandwidth
+    core.shutdown()
+    return {
+        "prefill_8192_ms": statistics.median(prefill_times[1:]) * 1e3,
+        "decode_step_b1_ms": decode_s * 1e3,
+        "decode_roofline_ms": roofline_s * 1e3,
+        "decode_roofline_fraction": roofline_s / decode_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child)))
+        return
+    results = {}
+    for name in CONFIGS:
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", name], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            print(f"{name} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+            continue
+        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{'config':<10} {'prefill 8192 ms':>16} {'decode b1 ms':>13} {'roofline frac':>14}")
+    for name, row in results.items():
+        print(
+            f"{name:<10} {row['prefill_8192_ms']:>16.1f} {row['decode_step_b1_ms']:>13.2f} "
+            f"{row['decode_roofline_fraction']:>14.2f}"
+        )
+    if "tp1" in results:
+        for name in ("tp2", "tp2-eager"):
+            if name in results:
+                prefill = results[name]["prefill_8192_ms"] / results["tp1"]["prefill_8192_ms"]
+                decode = results[name]["decode_step_b1_ms"] / results["tp1"]["decode_step_b1_ms"]
+                print(f"{name} / tp1: prefill {prefill:.2f}x, decode step {decode:.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
