@@ -218,6 +218,10 @@ def test_sweep_writes_one_file_per_point_and_a_combined_file(tmp_path: Path) -> 
         assert body["stream_options"] == {"include_usage": True}
         assert body["ignore_eos"] is True and body["model"] == MODEL
         assert all(1000 <= token_id < 20000 for token_id in body["prompt"])
+    # The warm-up and each point send prompts of their own: none is in a prefix cache from
+    # an earlier point.
+    prompts = [tuple(body["prompt"]) for body in behaviour.bodies]
+    assert len(set(prompts)) == len(prompts) == 17
 
 
 def test_space_separated_sweep_values_are_a_sweep(tmp_path: Path) -> None:

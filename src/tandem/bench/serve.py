@@ -1,12 +1,15 @@
 """`tandem bench serve`: drive an OpenAI-compatible server at a load point, or a sweep of them.
 
-One call: sample the prompts once, send the warm-up requests, then for each load point send every
-prompt (arrivals from a Poisson / gamma process at `request_rate`, at most `max_concurrency` in
-flight), collect one `RequestRecord` per prompt, summarize, print, and write the JSON.
+One call: sample the prompts once (each point its own), send the warm-up requests, then for each
+load point send its prompts (arrivals from a Poisson / gamma process at `request_rate`, at most
+`max_concurrency` in flight), collect one `RequestRecord` per prompt, summarize, print, and
+write the JSON.
 
 Invariants:
-* Every point sends the same prompts in the same order, with the same arrival schedule for a
-  given rate and seed, so points differ only in load.
+* Every point sends prompts of its own, drawn with the warm-ups' from one sample of the dataset
+  (the same for a given seed), so no prompt of one point is in a server's prefix cache when the
+  next point starts; the points' prompts follow one distribution, and the arrival schedule of a
+  rate is the same for a given seed, so points differ only in load.
 * A point's `duration` runs from its first dispatch to the end of its last request.
 * Warm-up requests are never part of any point; a failed warm-up stops the run (the server or the
   flags are wrong and every number would be meaningless).
@@ -21,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -187,18 +190,29 @@ async def resolve_model(session: aiohttp.ClientSession, base_url: str) -> str:
         ) from exc
 
 
+def sample_points(
+    options: ServeOptions, tokenizer: Tokenizer | None
+) -> tuple[list[SampleRequest], list[list[SampleRequest]]]:
+    """The warm-up prompts and each load point's `num_prompts`, cut from one sample."""
+    per_point, num_warmups = options.dataset.num_prompts, options.num_warmups
+    total = num_warmups + per_point * len(options.points)
+    drawn = sample_requests(replace(options.dataset, num_prompts=total), tokenizer)
+    points = [drawn[num_warmups + i * per_point :][:per_point] for i in range(len(options.points))]
+    return drawn[:num_warmups], points
+
+
 async def warm_up(
     session: aiohttp.ClientSession,
     settings: RequestSettings,
     samples: Sequence[SampleRequest],
-    num_warmups: int,
     max_concurrency: int | None,
 ) -> None:
-    limit = asyncio.Semaphore(max_concurrency or num_warmups or 1)
+    num_warmups = len(samples)
+    limit = asyncio.Semaphore(max_concurrency or num_warmups)
 
     async def one(index: int) -> RequestRecord:
         async with limit:
-            return await send_request(session, settings, samples[index % len(samples)], -1 - index)
+            return await send_request(session, settings, samples[index], -1 - index)
 
     records = await asyncio.gather(*(one(index) for index in range(num_warmups)))
     failures = [record.error for record in records if not record.success]
@@ -316,7 +330,7 @@ async def run_sweep(
     """Run every load point of `options` against the server; raise BenchError on user errors."""
     console = console or make_console()
     try:
-        samples = sample_requests(options.dataset, tokenizer)
+        warmup_samples, point_samples = sample_points(options, tokenizer)
     except (ValueError, OSError) as exc:
         raise BenchError(str(exc)) from exc
     connector = aiohttp.TCPConnector(limit=0)
@@ -336,12 +350,10 @@ async def run_sweep(
         )
         if options.num_warmups > 0:
             console.print(f"warming up with {options.num_warmups} request(s)")
-            await warm_up(
-                session, settings, samples, options.num_warmups, options.points[0].max_concurrency
-            )
+            await warm_up(session, settings, warmup_samples, options.points[0].max_concurrency)
         results = []
         with ProgressBar(console, options.show_progress) as progress:
-            for point in options.points:
+            for point, samples in zip(options.points, point_samples, strict=True):
                 rng = np.random.default_rng(options.dataset.seed)
                 offsets = arrival_offsets(len(samples), point.request_rate, options.burstiness, rng)
                 records, start, duration = await run_point(
