@@ -2,9 +2,11 @@
 one running slot and one waiting slot (`--max-num-seqs 1 --max-waiting 1`).
 
 A request beyond the waiting queue gets a 503 error object and the server recovers once the queue
-drains. SIGTERM while a response streams: the listening socket closes, the in-flight stream still
-completes, and the process exits 0. The SIGTERM test stops this module's worker, so it runs after
-the tests that use it. A worker killed outright leaves no engine core behind.
+drains. SIGTERM to the worker's process group (as tandem serve and Slurm send it) while a response
+streams: the listening socket closes, the in-flight stream still completes (the engine core does
+not stop on the signal, its API process stops it), and the process exits 0. The SIGTERM test
+stops this module's worker, so it runs after the tests that use it. A worker killed outright
+leaves no engine core behind.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def test_sigterm_stops_accepting_finishes_the_stream_and_exits_zero(worker):
             assert response.status_code == 200
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: {"))
-            worker.send_signal(signal.SIGTERM)
+            os.killpg(worker.process.pid, signal.SIGTERM)  # the group, as a supervisor does
             deadline = time.monotonic() + 5
             while not connection_refused(worker.port):
                 assert time.monotonic() < deadline, "the worker still accepts connections"

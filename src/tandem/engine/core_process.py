@@ -93,9 +93,11 @@ def run_engine_core(
 ) -> None:
     """Process entry point: build the core, announce it, then step until told to stop."""
     die_with_parent(api_pid)
-    # A terminal's Ctrl-C reaches the whole process group; the API process decides when the
-    # engine stops (it finishes or aborts what is in flight first).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A terminal's Ctrl-C, and a supervisor's SIGTERM (tandem serve, Slurm), reach the whole
+    # process group; the API process decides when the engine stops (it finishes or aborts what
+    # is in flight first, then sends Shutdown, or SIGKILL).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -14,7 +14,8 @@ needs no second, CPU-side process group next to NCCL's; and a dead rank cannot b
 Failures: a rank that fails to start fails the engine's start with its error. A monitor thread
 waits on the rank processes; when one exits, the executor has failed (`check_health` raises
 `ExecutorFailedError`, which ends the engine, idle or mid-step: gloo's pending collective raises
-at once, NCCL's is aborted). Shutdown stops every rank (Shutdown, then SIGTERM, then SIGKILL),
+at once, NCCL's is aborted). Shutdown stops every rank (Shutdown, then SIGKILL; ranks ignore
+SIGINT and SIGTERM, which a terminal or a supervisor sends the worker's whole process group),
 and the ranks die with the engine core in any case (PR_SET_PDEATHSIG).
 """
 
@@ -59,7 +60,7 @@ from tandem.models.loader import ModelSource
 logger = logging.getLogger(__name__)
 
 REPLY_POLL_MS = 100  # while waiting on the ranks: how often to look whether one died
-STOP_TIMEOUT_S = 5.0  # a rank told to stop gets this long, then SIGTERM, then SIGKILL
+STOP_TIMEOUT_S = 5.0  # a rank told to stop gets this long, then SIGKILL
 DEATH_GRACE_S = 1.0  # a step that raised: how long to wait for a rank's exit to show
 
 
@@ -228,18 +229,14 @@ def stop_ranks(
     context: zmq.Context,
     directory: str,
 ) -> None:
-    """Wait for the ranks to stop (they were told to), else SIGTERM, else SIGKILL; then free
-    the sockets and their directory."""
+    """Wait for the ranks to stop (they were told to), else SIGKILL them; then free the
+    sockets and their directory."""
     monitor.stop()
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for process in processes:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(max(0.0, deadline - time.monotonic()))
     for process in processes:
-        if process.poll() is None:
-            process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(STOP_TIMEOUT_S)
         if process.poll() is None:
             process.kill()
             process.wait()

@@ -52,7 +52,8 @@ def run_rank(
 ) -> None:
     """Process entry point of rank `rank` (1 or more)."""
     die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the engine core stops this rank
+        signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s",
