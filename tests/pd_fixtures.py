@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from worker_fixtures import WorkerProcess, read_metrics, start_tandem, start_worker
 
 HTTP_TIMEOUT_S = 300.0
+FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "kv_faults"
 
 REMOTE_DECODE_PARAMS = {
     "do_remote_decode": True,
@@ -51,6 +54,18 @@ def running_workers(
         for name, flags in specs.items()
     }
     return running_processes(starts)
+
+
+def start_faulty_worker(fault: str | None, *flags: str, **kwargs) -> WorkerProcess:
+    """start_worker, with the test-only KV fault plug-in (tests/kv_faults) injecting `fault`
+    into the worker's KV server (None: no fault)."""
+    if fault is None:
+        return start_worker(*flags, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_TEST_KV_FAULT", fault)
+        paths = [str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")]
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+        return start_worker(*flags, **kwargs)
 
 
 def running_routers(

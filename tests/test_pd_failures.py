@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -42,12 +41,12 @@ from pd_fixtures import (
     run_direct,
     run_pd,
     running_processes,
+    start_faulty_worker,
     token_prompt,
     wait_for_value,
     wait_until,
     with_defaults,
 )
-from worker_fixtures import WorkerProcess, start_worker
 
 CHECKPOINT = "llama-gqa"
 DELAY_S = 1.5
@@ -56,18 +55,6 @@ TRANSFER_TIMEOUT_S = 0.5
 COMPLETIONS = "/v1/completions"
 PREFILL_DROP_BLOCKS = 40
 HOLD_TIMEOUT_S = LEASE_S + 5  # a lease must be gone by then, even on a loaded machine
-FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "kv_faults"
-
-
-def start_faulty_worker(fault: str | None, *flags: str, **kwargs) -> WorkerProcess:
-    """start_worker, with the KV fault plug-in injecting `fault` (None: no fault)."""
-    if fault is None:
-        return start_worker(*flags, **kwargs)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TANDEM_TEST_KV_FAULT", fault)
-        paths = [str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")]
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
-        return start_worker(*flags, **kwargs)
 
 
 @pytest.fixture(scope="module")
