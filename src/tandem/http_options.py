@@ -69,7 +69,7 @@ def check_http_args(args: argparse.Namespace, command: str) -> None:
         )
 
 
-PROBE_PATHS = ("/health", "/metrics")  # also under a root path
+PROBE_PATHS = ("/health", "/metrics", "/internal/workers/heartbeat")  # also under a root path
 
 
 class SkipProbes(logging.Filter):

@@ -1,4 +1,5 @@
-"""`tandem serve`: a router and its workers on this host, from flags or a cluster YAML file.
+"""`tandem serve`: a router and its workers on this host, from flags or a cluster YAML file
+(on a Ray cluster with `--ray` or the file's `ray:` section: `tandem.launcher.ray_cluster`).
 
 Flags given on the command line override the file; without a file, the cluster is one prefill
 and one decode worker on the default model; the KV transport is GPU-direct (cuda-ipc) when the
@@ -75,7 +76,7 @@ def as_worker_args(action: argparse.Action, value: Any) -> list[str]:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
-        help="start a router and its workers on this host",
+        help="start a router and its workers on this host (or on a Ray cluster: --ray)",
         description="Start a router and prefill/decode workers, wait until all are healthy, "
         "restart any that exits, and stop all of them on Ctrl-C or SIGTERM. The flags of "
         "every worker are tandem worker's, given to each worker when given (over a cluster "
@@ -103,6 +104,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default 0)",
     )
     parser.add_argument(
+        "--prefill-tp",
+        type=_positive_int,
+        metavar="N",
+        help="the prefill workers' --tensor-parallel-size, over -tp (which sets every worker's)",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=_positive_int,
+        metavar="N",
+        help="the decode workers' --tensor-parallel-size, over -tp (which sets every worker's)",
+    )
+    parser.add_argument(
         "--disaggregation",
         choices=("always", "conditional"),
         help="the router's: conditional serves short prompts whole (see tandem router --help)",
@@ -115,6 +128,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "as colocated workers (default 0; with --prefill 0 --decode 0 for them alone)",
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: auto")
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run the cluster on Ray: each process an actor, placed as the cluster file's ray "
+        "section says (docs/deploy.md); ADDRESS is ray.init's (default: the file's "
+        "ray.address, else $RAY_ADDRESS, else a Ray started on this host, else a new one)",
+    )
     parser.add_argument(
         "--kv-transport",
         choices=("auto", "tcp", "cuda-ipc", "nixl", "mooncake"),
@@ -234,8 +256,13 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "ports.router": args.port,
         "ports.workers": args.worker_port_base,
         "ports.kv": args.kv_port_base,
+        "ray.address": args.ray or None,
     }
-    return {key: value for key, value in flags.items() if value is not None}
+    flags = {key: value for key, value in flags.items() if value is not None}
+    for role in ("prefill", "decode"):  # over every worker's -tp
+        if (size := getattr(args, f"{role}_tp")) is not None:
+            flags[f"roles.{role}.engine.tensor_parallel_size"] = size
+    return flags
 
 
 def worker_extra_args(args: argparse.Namespace) -> list[str]:
@@ -277,7 +304,12 @@ def cluster_data(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from tandem.access import cluster_token_from_env
     from tandem.launcher.cluster import ClusterError, parse_cluster
-    from tandem.launcher.plan import child_environment, plan_processes, resolve_device
+    from tandem.launcher.plan import (
+        check_model_splits,
+        child_environment,
+        plan_processes,
+        resolve_device,
+    )
     from tandem.launcher.supervisor import Supervisor
 
     if hasattr(args, "enable_auto_tool_choice") and not hasattr(args, "tool_call_parser"):
@@ -285,7 +317,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         spec = parse_cluster(cluster_data(args), args.config)
-        device, num_gpus = resolve_device(spec.device)
+        on_ray = args.ray is not None or spec.ray is not None  # devices: those of Ray's nodes
+        device, num_gpus = ("a Ray cluster", 0) if on_ray else resolve_device(spec.device)
+        check_model_splits(spec)
+        plans = [] if on_ray else plan_processes(spec, device, num_gpus)
     except (ClusterError, RuntimeError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
@@ -305,8 +340,17 @@ def run(args: argparse.Namespace) -> int:
             "TANDEM_CLUSTER_TOKEN)",
             flush=True,
         )
+    if on_ray:
+        from tandem.launcher.ray_cluster import serve_on_ray
+
+        return serve_on_ray(
+            spec,
+            child_environment({}, cluster_token, args.api_key),
+            startup_timeout_s=args.startup_timeout,
+            stop_timeout_s=args.stop_timeout,
+            max_start_failures=args.max_start_failures,
+        )
     env = child_environment(os.environ, cluster_token, args.api_key)
-    plans = plan_processes(spec, device, num_gpus)
     supervisor = Supervisor(
         plans,
         startup_timeout_s=args.startup_timeout,

@@ -5,7 +5,7 @@
     served_model_name: [smollm2]  # names in the API (default: the model's)
     device: auto                  # auto | cpu | cuda
     roles:
-      prefill: {count: 1, engine: {block_size: 16, kv_transport: tcp}}
+      prefill: {count: 1, engine: {block_size: 16, kv_transport: tcp, tensor_parallel_size: 2}}
       decode:  {count: 1, engine: {block_size: 16, kv_transport: tcp}}
       both:    {count: 0}
       pd:      {count: 0}          # servers over a prefill and a decode engine (--role pd)
@@ -15,14 +15,11 @@
              max_local_prefill_length: 512, max_prefill_queue_tokens: 8192}
 
 Unknown keys are refused, and so is a cluster that cannot work, each in one sentence naming
-the problem (`ClusterError`): roles serving different models; prefill, decode and auto roles
-that differ in KV layout (block_size, dtype) or transport; prefill workers without decode
-workers or the reverse (auto workers can be either, colocated ones are role `both`; a pd server
-needs nothing beside it); decode workers without a kv_transport beside prefill workers;
-overlapping router, worker and KV port ranges; a secret (a `cluster_token` key, or
-`--cluster-token` or `--api-key` in `extra_args`: they come from `tandem serve`'s flags or
-environment, as a cluster file is the kind of file that gets committed). A prefill or auto role
-without a kv_transport takes the decode role's."""
+the problem (`ClusterError`; the list: docs/router.md, "The cluster file"): roles of different
+models, or KV layouts, or transports; prefill without decode workers or the reverse; overlapping
+port ranges; a tensor-parallel worker moving KV over anything but tcp, or sized in extra_args;
+a secret in the file (it comes from `tandem serve`'s flags or environment). A prefill or auto
+role without a kv_transport takes the decode role's."""
 
 from __future__ import annotations
 
@@ -56,6 +53,8 @@ class EngineSettings(_Strict):
     num_kv_blocks: int | None = Field(default=None, gt=0)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    # ranks per worker (--tensor-parallel-size): N GPUs each on CUDA, N processes on the CPU
+    tensor_parallel_size: int | None = Field(default=None, gt=0)
     scheduling_policy: Literal["fcfs", "priority"] | None = None
     # auto: cuda-ipc on GPUs (of one host), else tcp; nixl and mooncake when named
     kv_transport: Literal["auto", "tcp", "cuda-ipc", "nixl", "mooncake"] | None = None
@@ -115,6 +114,26 @@ class RouterSpec(_Strict):
     extra_args: tuple[str, ...] = ()
 
 
+class RaySpec(_Strict):
+    """`tandem serve --ray` (tandem.launcher.ray_cluster): where the processes go on Ray."""
+
+    address: str | None = None  # ray.init's (None: $RAY_ADDRESS, a local `ray start`, or a new one)
+    placement: Literal["pack", "spread"] = "pack"  # as few nodes as possible, or across nodes
+    # per role (or router): custom node resources its processes also ask for, which pick its nodes
+    nodes: dict[Literal["prefill", "decode", "both", "pd", "auto", "router"], dict[str, float]] = {}
+
+
+def _check_ray_nodes(ray: RaySpec) -> None:
+    for role, resources in ray.nodes.items():
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory") or amount <= 0:
+                raise ClusterError(
+                    f"ray.nodes.{role} asks for {amount:g} {name}; it names custom node "
+                    "resources only, each a positive amount (CPUs and GPUs follow from the "
+                    "role's tensor_parallel_size)."
+                )
+
+
 class ClusterSpec(_Strict):
     model: str = DEFAULT_MODEL
     served_model_name: tuple[str, ...] = ()  # every worker's --served-model-name
@@ -122,6 +141,7 @@ class ClusterSpec(_Strict):
     roles: RolesSpec = RolesSpec()
     ports: PortsSpec = PortsSpec()
     router: RouterSpec = RouterSpec()
+    ray: RaySpec | None = None  # a Ray cluster runs it (as with `tandem serve --ray`)
 
     @field_validator("served_model_name", mode="before")
     @classmethod
@@ -172,6 +192,29 @@ def _check_same_kv(spec: ClusterSpec, role: str, other: str) -> None:
             )
 
 
+TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp")
+KV_ROLES = ("prefill", "decode", "pd", "auto")  # the roles whose workers move KV
+
+
+def _check_tensor_parallel(spec: ClusterSpec, role: str) -> None:
+    """The size is a key that placement reads, and a tensor-parallel worker moves KV over tcp
+    only (its rank 0 relays every rank's heads; the worker refuses the other transports)."""
+    engine = spec.engine_of(role)
+    for arg in engine.extra_args:
+        if arg.split("=", 1)[0] in TENSOR_PARALLEL_FLAGS:
+            raise ClusterError(
+                f"roles.{role}.engine.extra_args holds {arg}; give the size as "
+                f"roles.{role}.engine.tensor_parallel_size, by which tandem serve places GPUs."
+            )
+    size = engine.tensor_parallel_size or 1
+    if size > 1 and role in KV_ROLES and engine.kv_transport not in (None, "auto", "tcp"):
+        raise ClusterError(
+            f"roles.{role}.engine.kv_transport {engine.kv_transport} cannot move the KV of a "
+            f"tensor-parallel worker (tensor_parallel_size {size}); use tcp, or auto, which "
+            "picks tcp for such a cluster."
+        )
+
+
 def check_cluster(spec: ClusterSpec) -> ClusterSpec:
     """Returns `spec` if it can work, else raises ClusterError naming the first problem."""
     roles = spec.roles
@@ -216,6 +259,10 @@ def check_cluster(spec: ClusterSpec) -> ClusterSpec:
     transports = {spec.engine_of(name).kv_transport for name in used}
     if spec.device == "cpu" and "cuda-ipc" in transports:
         raise ClusterError("The cuda-ipc KV transport needs GPUs, but the device is cpu.")
+    for name in used:
+        _check_tensor_parallel(spec, name)
+    if spec.ray is not None:
+        _check_ray_nodes(spec.ray)
     worker_ports = range(spec.worker_port_base, spec.worker_port_base + spec.num_workers)
     kv_ports = range(spec.kv_port_base, spec.kv_port_base + spec.num_workers)
     if worker_ports.stop > 65536 or kv_ports.stop > 65536:

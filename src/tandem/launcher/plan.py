@@ -1,12 +1,17 @@
 """What `tandem serve` runs: each process's command line and the environment they all share.
 
 Ports: workers take `worker_port_base + i`, and `kv_port_base + i` for their KV listener, in the
-order prefill, decode, both, pd, auto. With GPUs, the workers take the GPUs in that order (mod the
-number of GPUs), one each as `--device cuda:i`, two for a pd server (`--device cuda:i
---decode-device cuda:i+1`); every worker sees the same GPUs under the same indices, which CUDA
-IPC between them needs. The KV transport `auto` becomes cuda-ipc on GPUs (all workers share this
-host), else tcp. The router gets pd servers as colocated
-(`--worker`) workers.
+order prefill, decode, both, pd, auto. With GPUs, the workers take the GPUs in that order: a
+worker of tensor_parallel_size N the next N (`--device cuda:i`, its rank r on GPU i + r), a pd
+server twice that (`--device cuda:i --decode-device cuda:i+N`). Tensor-parallel workers share no
+GPU, and a cluster with one that needs more GPUs than the host has is refused; a cluster of
+one-GPU workers only takes the GPUs round (mod their number), as a prefill and a decode sharing
+one GPU do. Every worker sees the same GPUs under the same indices, which CUDA IPC between them
+needs (so no CUDA_VISIBLE_DEVICES per worker). The KV transport `auto` becomes tcp where a
+tensor-parallel worker moves KV (the only transport it can), else cuda-ipc on GPUs (all workers
+share this host), else tcp. The router gets pd servers as colocated (`--worker`) workers.
+`check_model_splits` refuses, before anything starts, a tensor_parallel_size the model cannot be
+split over, as the worker would refuse it at its start.
 
 Secrets (the API key, the cluster token) never appear on a command line, where any user of the
 host can read them: every child gets them in its environment (`child_environment`), and reads
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 
 from tandem.access import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from tandem.kv.data import auto_transport
-from tandem.launcher.cluster import WORKER_ROLES, ClusterSpec
+from tandem.launcher.cluster import WORKER_ROLES, ClusterError, ClusterSpec
 
 # the router keys of a cluster file passed on as `tandem router --key-name value`
 ADAPTIVE_ROUTER_KEYS = (
@@ -69,15 +74,79 @@ def child_environment(
     return env
 
 
+def tensor_parallel_size(spec: ClusterSpec, role: str) -> int:
+    return spec.engine_of(role).tensor_parallel_size or 1
+
+
+def gpus_per_worker(spec: ClusterSpec, role: str) -> int:
+    """A worker's GPUs: one per rank, those of both engines for a pd server."""
+    return tensor_parallel_size(spec, role) * (2 if role == "pd" else 1)
+
+
+def used_roles(spec: ClusterSpec) -> list[str]:
+    return [role for role in WORKER_ROLES if getattr(spec.roles, role).count]
+
+
+def check_gpu_count(spec: ClusterSpec, num_gpus: int) -> None:
+    """ClusterError when a cluster with tensor-parallel workers needs more GPUs than the host
+    has (one-GPU workers may share GPUs)."""
+    roles = used_roles(spec)
+    if all(tensor_parallel_size(spec, role) == 1 for role in roles):
+        return
+    needed = sum(getattr(spec.roles, role).count * gpus_per_worker(spec, role) for role in roles)
+    if needed > num_gpus:
+        raise ClusterError(
+            f"The cluster needs {needed} GPUs (tensor_parallel_size of them per worker, twice "
+            f"that per pd server) but this host has {num_gpus}; use fewer workers or smaller "
+            "tensor_parallel_size values."
+        )
+
+
+def check_model_splits(spec: ClusterSpec) -> None:
+    """ClusterError when a role's tensor_parallel_size cannot split the model (its attention
+    heads, KV heads, MLP, experts), by the rule the worker refuses such a size with."""
+    from tandem.distributed.sharding import check_tensor_parallel
+    from tandem.models.loader import resolve_model
+
+    for role in used_roles(spec):
+        size = tensor_parallel_size(spec, role)
+        if size == 1:
+            continue
+        engine = spec.engine_of(role)
+        try:
+            config = resolve_model(spec.model_of(role)).config
+            check_tensor_parallel(config, size, "--enable-expert-parallel" in engine.extra_args)
+        except ValueError as exc:
+            raise ClusterError(f"roles.{role}: {exc}.") from None
+
+
+def kv_transport_of(spec: ClusterSpec, role: str, on_gpus: bool) -> str | None:
+    """The role's --kv-transport, `auto` resolved (and a pd server's unset one when its engines
+    are tensor-parallel, whose own default would be cuda-ipc on GPUs)."""
+    transport = spec.engine_of(role).kv_transport
+    partners = {"pd": ("pd",), "both": ()}.get(role, ("prefill", "decode", "auto"))
+    tensor_parallel = any(
+        tensor_parallel_size(spec, partner) > 1
+        for partner in used_roles(spec)
+        if partner in partners
+    )
+    if tensor_parallel and (transport == "auto" or (transport is None and role == "pd")):
+        return "tcp"
+    return auto_transport(on_gpus) if transport == "auto" else transport
+
+
 def plan_processes(
     spec: ClusterSpec, device: str, num_gpus: int, python: str = sys.executable
 ) -> list[ProcessPlan]:
-    """The workers, then the router, with their command lines (nothing is started)."""
-    transport = auto_transport(on_gpus=device == "cuda")
+    """The workers, then the router, with their command lines (nothing is started); a
+    ClusterError when the GPUs do not suffice."""
+    if device == "cuda":
+        check_gpu_count(spec, num_gpus)
     plans: list[ProcessPlan] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": [], "auto": []}
-    next_gpu = 0  # one GPU per worker, two per pd server (its prefill's, then its decode's)
+    next_gpu = 0
     for role in WORKER_ROLES:
+        size = tensor_parallel_size(spec, role)
         for index in range(getattr(spec.roles, role).count):
             slot = len(plans)
             port = spec.worker_port_base + slot
@@ -89,16 +158,13 @@ def plan_processes(
             argv += ["--kv-port", str(spec.kv_port_base + slot), "--device"]
             if device != "cuda":
                 argv.append(device)
-            elif role == "pd":
-                argv += [f"cuda:{next_gpu % num_gpus}"]
-                argv += ["--decode-device", f"cuda:{(next_gpu + 1) % num_gpus}"]
-                next_gpu += 2
             else:
                 argv.append(f"cuda:{next_gpu % num_gpus}")
-                next_gpu += 1
-            engine = spec.engine_of(role)
-            if engine.kv_transport == "auto":
-                engine = engine.model_copy(update={"kv_transport": transport})
+                if role == "pd":
+                    argv += ["--decode-device", f"cuda:{(next_gpu + size) % num_gpus}"]
+                next_gpu += gpus_per_worker(spec, role)
+            transport = kv_transport_of(spec, role, on_gpus=device == "cuda")
+            engine = spec.engine_of(role).model_copy(update={"kv_transport": transport})
             argv += engine.worker_flags()
             plans.append(ProcessPlan(f"{role}-{index}", tuple(argv), url, role))
             urls["both" if role == "pd" else role].append(url)  # whole requests, to a router

@@ -108,10 +108,12 @@ def read_chat_template(value: str) -> str:
 
 
 def configure_logging() -> None:
-    """The worker's log: INFO and up, timed, to stderr (once; later calls change nothing)."""
+    """The worker's log: INFO and up, timed, to stderr (once; later calls change nothing);
+    httpx's line per request (the router heartbeats, each second) only from WARNING."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
