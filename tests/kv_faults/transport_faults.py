@@ -93,7 +93,7 @@ def faulty(server_class: type, fault: TransportFault) -> type:
                         raise InjectedDrop("injected drop before HELD")
             super()._serve_fetch(connection, request, header)
 
-        def _stream_layers(self, connection, transfer_id, transfer, header):
+        def _stream_layers(self, connection, transfer_id, transfer, sent, header):
             taken = self._take_fault()
             if taken is not None:
                 self._closing.wait(taken.delay_s)
@@ -103,12 +103,12 @@ def faulty(server_class: type, fault: TransportFault) -> type:
                         raise InjectedDrop("injected drop before the first layer")
                     self._drops[connection] = drop_at
             try:
-                return super()._stream_layers(connection, transfer_id, transfer, header)
+                return super()._stream_layers(connection, transfer_id, transfer, sent, header)
             finally:
                 self._drops.pop(connection, None)
 
-        def _send_layer(self, connection, index: int, layer) -> None:
-            super()._send_layer(connection, index, layer)
+        def _send_layer(self, connection, index: int, parts) -> None:
+            super()._send_layer(connection, index, parts)
             if self._drops.get(connection) == index + 1:
                 raise InjectedDrop(f"injected drop after {index + 1} layers")
 

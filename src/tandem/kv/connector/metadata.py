@@ -31,11 +31,10 @@ class LoadSpec:
 @dataclass
 class InstallSpec:
     """Tensor parallelism: rank 0 has read a request's blocks; every rank writes its KV heads
-    of them into block_ids (remote blocks first_block .. of the prompt) before this step."""
+    of them into block_ids (the load's local_block_ids) before this step."""
 
     request_id: str
     block_ids: list[int]
-    first_block: int
 
 
 @dataclass

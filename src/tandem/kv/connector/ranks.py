@@ -4,11 +4,12 @@ control plane and one lease per transfer, and kv_transfer_params keep vLLM's fie
 
     prefill: each layer's save gathers every rank's KV-head shard of the prompt's blocks on
              rank 0 (`gather_heads`), which stages the whole layer (all the model's KV heads)
-    decode:  rank 0's data plane reads the whole layers into host staging; the next step's
-             metadata lists the read under `installs`, and every rank takes its KV-head range
-             of it (`scatter_heads`) before the step's forward; only then does rank 0 report
-             the load finished, so every rank holds its heads before the prompt counts as
-             computed, and the prefill's lease was confirmed once, by rank 0's read
+    decode:  rank 0's data plane reads the layers (every KV head, only the blocks this
+             engine lacks) into host staging; the next step's metadata lists the read under
+             `installs`, and every rank takes its KV-head range of it (`scatter_heads`) before
+             the step's forward; only then does rank 0 report the load finished, so every rank
+             holds its heads before the prompt counts as computed, and the prefill's lease was
+             confirmed once, by rank 0's read
 
 The transfer's layout on the wire is the model's (every KV head), so a prefill and a decode of
 different tensor-parallel sizes pair as long as the model's layout matches. Replicated KV heads
@@ -126,7 +127,7 @@ def install_shards(
     layers: list[torch.Tensor] | None,
 ) -> None:
     """Every rank: write this rank's heads of a read's blocks (rank 0's host `layers`, one
-    [2, blocks, block_size, heads, head_dim] per layer) into its blocks install.block_ids."""
+    [2, blocks read, block_size, heads, head_dim] per layer) into its blocks install.block_ids."""
     targets = torch.tensor(install.block_ids, dtype=torch.long, device=kv_cache.device)
     num_blocks = len(install.block_ids)
     like = torch.empty(
@@ -135,7 +136,7 @@ def install_shards(
     for layer_index in range(kv_cache.shape[0]):
         whole = None
         if layers is not None:
-            whole = layers[layer_index][:, install.first_block :].to(kv_cache.device)
+            whole = layers[layer_index].to(kv_cache.device)
         kv_cache[layer_index].index_copy_(1, targets, relay.scatter_heads(whole, like))
 
 

@@ -244,7 +244,7 @@ class PDConnectorWorker(KVConnectorWorker):
             self._report(spec, remote, handed_off, failure=load_failure(spec.request_id, exc))
             return
         if self.relay is not None:  # every rank installs its heads first, in the next step
-            install = InstallSpec(spec.request_id, spec.local_block_ids, spec.first_block)
+            install = InstallSpec(spec.request_id, spec.local_block_ids)
             self.installs.add(
                 install,
                 read.host_layers,

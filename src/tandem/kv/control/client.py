@@ -1,7 +1,8 @@
 """The decode side of the KV control plane: requests to prefill workers' KV servers.
 
-`KVClient` fetches a transfer's layers, releases a lease without its bytes, holds a lease
-while the decode reads the blocks itself (`Hold`), and waits for a handoff's announcement.
+`KVClient` fetches a transfer's layers (from a block on), releases a lease without its bytes,
+holds a lease while the decode reads the blocks itself (`Hold`), and waits for a handoff's
+announcement.
 Connections are pooled per peer and authenticated once (`tandem.kv.control.auth`). A request
 whose connection broke (or could not be opened) is tried again on a new one, RETRY_ATTEMPTS in
 all with backoff, within its deadline; a failed handshake, the server's ERROR reply, a
@@ -94,9 +95,11 @@ class KVClient:
         *,
         timeout: float,
         on_layer: Callable[[int], None] | None = None,
+        first_block: int = 0,
     ) -> None:
         """Receive every layer into dest_layers (contiguous CPU tensors of the published byte
-        sizes), calling on_layer(i) as each arrives, then confirm. When this returns, the server
+        sizes; from first_block on: of the bytes of each published layer [:, first_block:]),
+        calling on_layer(i) as each arrives, then confirm. When this returns, the server
         has recorded the confirmation and forgotten the transfer; its on_transfer_done(id, True)
         runs right after it sent that answer. Raises KVTransferError on timeout (overall deadline),
         connection loss, unknown id, withdrawal or a size mismatch; an exception from on_layer
@@ -117,7 +120,7 @@ class KVClient:
             if views and num_reported == len(views):
                 self._confirm_again(connection, transfer_id, deadline)
             else:
-                self._exchange(connection, transfer_id, views, deadline, report)
+                self._exchange(connection, transfer_id, views, deadline, report, first_block)
 
         self._with_connection(host, port, f"fetch of {transfer_id!r}", timeout, exchange)
 
@@ -306,12 +309,14 @@ class KVClient:
         views: list[memoryview],
         deadline: float,
         on_layer: Callable[[int], None] | None,
+        first_block: int = 0,
         release_only: bool = False,
     ) -> None:
         """Run one fetch on the connection until DONE; the server's ERROR reply is raised as a
         KVTransferError."""
+        nbytes = [len(view) for view in views]
         request = encoder.encode(
-            FetchRequest(transfer_id, [len(view) for view in views], release_only)
+            FetchRequest(transfer_id, nbytes, release_only, first_block=first_block)
         )
         connection.settimeout(max(deadline - time.monotonic(), 1e-3))
         send_message(connection, FETCH, request)

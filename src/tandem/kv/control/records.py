@@ -37,6 +37,9 @@ class Handoff:
 @dataclass(eq=False)
 class Transfer:
     layers: list[memoryview]
+    # each layer's (parts, blocks) when it is [parts, blocks, ...] (a fetch may start at a
+    # block), else None (it is served whole)
+    block_shapes: list[tuple[int, int] | None]
     wait_layer: Callable[[int], None] | None
     withdrawn: threading.Event = field(default_factory=threading.Event)
     holds: int = 0  # connections that hold it (a broken one may have come again meanwhile)

@@ -2,11 +2,12 @@
 
 It keeps the published transfers (a transfer: the layers a decode fetches, or none when the
 decode reads the blocks itself), the handoffs' rendezvous (AWAIT / ANNOUNCE) and the holds,
-and streams a fetch's layers as each becomes valid. Invariants: `publish`, `withdraw` and
-`announce` never wait on the network (the engine loop calls them); a transfer is reported done
-once (`on_transfer_done(id, True)`, after the decode's CONFIRM), a broken fetch or hold as
-`on_transfer_done(id, False)` while it stays published; anything unexpected from a client ends
-that connection only. The protocol: docs/protocol.md, "The KV port".
+and streams a fetch's layers, from the block it asks for, as each becomes valid. Invariants:
+`publish`, `withdraw` and `announce` never wait on the network (the engine loop calls them);
+a transfer is reported done once (`on_transfer_done(id, True)`, after the decode's CONFIRM),
+a broken fetch or hold as `on_transfer_done(id, False)` while it stays published; anything
+unexpected from a client ends that connection only. The protocol: docs/protocol.md, "The KV
+port".
 
 Threads: one accept thread plus one per connection; `wait_layer` and the callbacks run on the
 connection's thread, outside the server's lock (so they may call publish/withdraw).
@@ -51,10 +52,12 @@ from tandem.kv.control.wire import (
     FetchRequest,
     ProtocolError,
     await_decoder,
+    block_shape,
     byte_view,
     configure_socket,
     encoder,
     fetch_decoder,
+    fetched_parts,
     is_alive,
     recv_control,
     recv_header,
@@ -134,12 +137,14 @@ class KVServer:
         layers: Sequence[torch.Tensor],
         wait_layer: Callable[[int], None] | None = None,
     ) -> None:
-        """Make `layers` (contiguous CPU tensors, any dtype) fetchable under transfer_id.
+        """Make `layers` (contiguous CPU tensors, any dtype) fetchable under transfer_id; a fetch
+        may start at a block of layers [parts, blocks, ...] (the tcp plane's [2, blocks, ...]).
 
         wait_layer(i) blocks until layer i's bytes are valid; layer i is sent only after it
         returns. The tensors must stay untouched until the transfer is done or withdrawn.
         """
-        transfer = Transfer([byte_view(layer) for layer in layers], wait_layer)
+        views = [byte_view(layer) for layer in layers]
+        transfer = Transfer(views, [block_shape(layer) for layer in layers], wait_layer)
         with self._lock:
             if self._closing.is_set():
                 raise RuntimeError("the KV server is closed")
@@ -363,15 +368,11 @@ class KVServer:
         if request.release_only:
             self._finish(connection, transfer_id, transfer)
             return
-        published_nbytes = [len(layer) for layer in transfer.layers]
-        if request.layer_nbytes != published_nbytes:
+        try:
+            sent = fetched_parts(transfer.layers, transfer.block_shapes, request)
+        except ValueError as exc:
             self._report_done(transfer_id, transfer, False)
-            self._send_error(
-                connection,
-                "mismatch",
-                f"transfer {transfer_id!r} has layers of {published_nbytes} bytes, "
-                f"the destination has {request.layer_nbytes}",
-            )
+            self._send_error(connection, "mismatch", f"transfer {transfer_id!r} {exc}")
             return
         if request.hold:
             if not self._hold(transfer_id):
@@ -381,7 +382,7 @@ class KVServer:
             self._serve_hold(connection, transfer_id, transfer, header)
             return
         try:
-            outcome = self._stream_layers(connection, transfer_id, transfer, header)
+            outcome = self._stream_layers(connection, transfer_id, transfer, sent, header)
         except BaseException:
             self._report_done(transfer_id, transfer, False)
             raise
@@ -395,10 +396,12 @@ class KVServer:
         connection: socket.socket,
         transfer_id: str,
         transfer: Transfer,
+        sent: list[list[memoryview]],
         header: bytearray,
     ) -> Literal["confirmed", "withdrawn", "failed"]:
-        """Send every layer, then wait for CONFIRM. Raises when the connection must close."""
-        for index, layer in enumerate(transfer.layers):
+        """Send every layer (`sent`: the parts of each that the fetch gets), then wait for
+        CONFIRM. Raises when the connection must close."""
+        for index, parts in enumerate(sent):
             if transfer.wait_layer is not None:
                 try:
                     transfer.wait_layer(index)
@@ -409,16 +412,17 @@ class KVServer:
             if transfer.withdrawn.is_set():
                 self._send_error(connection, "aborted", f"transfer {transfer_id!r} was withdrawn")
                 return "withdrawn"
-            self._send_layer(connection, index, layer)
+            self._send_layer(connection, index, parts)
         message = recv_header(connection, header)
         if message is None or message[0] != CONFIRM or message[2] != 0:
             raise ProtocolError(f"expected CONFIRM, got {message}")
         return "confirmed"
 
     @staticmethod
-    def _send_layer(connection: socket.socket, index: int, layer: memoryview) -> None:
-        connection.sendall(HEADER.pack(MAGIC, LAYER, index, len(layer)))
-        connection.sendall(layer)
+    def _send_layer(connection: socket.socket, index: int, parts: list[memoryview]) -> None:
+        connection.sendall(HEADER.pack(MAGIC, LAYER, index, sum(len(part) for part in parts)))
+        for part in parts:
+            connection.sendall(part)
 
     def _serve_hold(
         self, connection: socket.socket, transfer_id: str, transfer: Transfer, header: bytearray

@@ -36,9 +36,10 @@ AWAIT_POLL_S = 0.05  # how often a wait checks that its peer is still there (or 
 
 class FetchRequest(msgspec.Struct):
     transfer_id: str
-    layer_nbytes: list[int]
+    layer_nbytes: list[int]  # what the client receives of each layer (from first_block on)
     release_only: bool = False  # no layers: the decode is done with the transfer without them
     hold: bool = False  # no layers: keep the transfer as published until CONFIRM
+    first_block: int = 0  # each layer [2, blocks, ...] is sent from this block on
 
 
 class AwaitRequest(msgspec.Struct):
@@ -75,6 +76,41 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
             f"contiguous={tensor.is_contiguous()}"
         )
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def block_shape(layer: torch.Tensor) -> tuple[int, int] | None:
+    """(parts, blocks) of a layer [parts, blocks, ...], where a fetch may start at a block."""
+    return (layer.shape[0], layer.shape[1]) if layer.dim() >= 2 else None
+
+
+def fetched_parts(
+    layers: list[memoryview], shapes: list[tuple[int, int] | None], request: FetchRequest
+) -> list[list[memoryview]]:
+    """What a fetch gets of each layer (the layers' bytes, `shapes` their block_shape): the
+    bytes of layer[:, first_block:], one slice per part (the whole layer from block 0). Raises
+    ValueError when the request's sizes or first block do not fit the layers."""
+    first_block, sent = request.first_block, []
+    for layer, shape in zip(layers, shapes, strict=True):
+        if first_block == 0:
+            sent.append([layer])
+            continue
+        if shape is None or not 0 < first_block < shape[1]:
+            blocks = "no blocks" if shape is None else f"{shape[1]} blocks"
+            raise ValueError(
+                f"has {blocks} per layer, the destination asks from block {first_block}"
+            )
+        parts, blocks = shape
+        part_bytes = len(layer) // parts
+        start = first_block * (part_bytes // blocks)
+        sent.append([layer[p * part_bytes + start : (p + 1) * part_bytes] for p in range(parts)])
+    sent_nbytes = [sum(len(part) for part in parts) for parts in sent]
+    if request.layer_nbytes != sent_nbytes:
+        from_block = f" from block {first_block}" if first_block else ""
+        raise ValueError(
+            f"has layers of {sent_nbytes} bytes{from_block}, the destination has "
+            f"{request.layer_nbytes}"
+        )
+    return sent
 
 
 def configure_socket(sock: socket.socket) -> None:

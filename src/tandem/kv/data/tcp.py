@@ -3,11 +3,13 @@
 Source side: stage() allocates one host tensor per layer (pinned on CUDA); save_layer(i) gathers
 layer i's blocks into it on a side stream as soon as the layer is written, and the KV server
 (kv/control) sends layer i once its copy is done, so the bytes leave while later layers run.
-Destination side: start_read() runs a FETCH on a read thread (the control plane's client):
-each layer lands in host staging and is scattered into the local blocks as it arrives (host to
-device on a side stream); the fetch's CONFIRM ends the source's lease. Any two hosts, no
-library. On rank 0 of a tensor-parallel engine (`relay`), a staged layer gathers every rank's
-KV heads, and a read stays in host staging for the ranks to install (kv/connector/ranks.py).
+Destination side: start_read() runs a FETCH on a read thread (the control plane's client)
+for the blocks from first_block on (the local prefix cache holds those before): only they
+cross the wire, each layer lands in host staging of that many blocks and is scattered into the
+local blocks as it arrives (host to device on a side stream); the fetch's CONFIRM ends the
+source's lease. Any two hosts, no library. On rank 0 of a tensor-parallel engine (`relay`), a
+staged layer gathers every rank's KV heads, and a read stays in host staging (the blocks read
+only) for the ranks to install (kv/connector/ranks.py).
 Invariant: a read's handle ends only after every copy into the local blocks is done, also on
 failure (the blocks may be freed next).
 """
@@ -102,12 +104,12 @@ class TcpDataPlane(DataPlane):
     ) -> None:
         try:
             self.check_whole(source)
-            staging = self._host_layers(len(source.block_ids))
+            staging = self._host_layers(len(source.block_ids) - first_block)
             targets = torch.tensor(local_block_ids, dtype=torch.long, device=self.device)
             stream = torch.cuda.Stream(self.device) if self.pinned else None
 
             def on_layer(layer_index: int) -> None:
-                received = staging[layer_index][:, first_block:]
+                received = staging[layer_index]
                 if self.relay is not None:  # every rank installs its heads in a later step
                     return
                 if stream is None:
@@ -125,6 +127,7 @@ class TcpDataPlane(DataPlane):
                     staging,
                     timeout=self.transfer_timeout_s,
                     on_layer=on_layer,
+                    first_block=first_block,
                 )
             finally:  # also on failure: no copy may still write into the blocks
                 if stream is not None:
