@@ -70,6 +70,69 @@ MOE_SHAPES = {
 }
 
 
+# DeepSeek shapes (tests/test_deepseek.py): latent attention (a 32-wide latent and an 8-wide rope
+# part per token), YaRN rope scaling, shared experts and a dense first layer
+DEEPSEEK_SHAPES = {
+    # V2-Lite-like: no q compression, softmax top-2 of 8 experts (greedy), 2 shared experts,
+    # DeepSeek's complex-pair rope with YaRN whose mscale changes the softmax scale
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=3,
+        intermediate_size=96,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=16.0,
+            original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
+            mscale=0.707, mscale_all_dim=0.707,
+        ),  # fmt: skip
+    ),
+    # V3-like: q compression (q_lora_rank), sigmoid scores with the correction bias, top-2 of 8
+    # experts from the best 2 of 4 groups, renormalised and scaled by 2.5, 1 shared expert,
+    # interleaved rope with YaRN (mscale != mscale_all_dim: the cos/sin scaled too)
+    "deepseek-v3": dict(
+        model_type="deepseek_v3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=3,
+        intermediate_size=96,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_interleave=True,
+        num_mtp_layers=0,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=16.0,
+            original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
+            mscale=1.0, mscale_all_dim=0.8,
+        ),  # fmt: skip
+    ),
+}
+
+
 def varied_prompts(seed: int) -> list[list[int]]:
     """16 prompts of 1 to 120 token ids below 512, some sharing prefixes (prefix-cache hits)."""
     generator = torch.Generator().manual_seed(seed)
@@ -88,7 +151,7 @@ def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
     """Save a random checkpoint of shape `name` (config.json + model.safetensors) in directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = dict(SHAPES[name] if name in SHAPES else MOE_SHAPES[name])
+    settings = dict({**SHAPES, **MOE_SHAPES, **DEEPSEEK_SHAPES}[name])
     model_type = settings.pop("model_type")
     defaults = dict(
         vocab_size=512,

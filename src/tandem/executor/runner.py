@@ -38,6 +38,7 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     kv_head_start: int = 0
+    latent: tuple[int, int] | None = None  # the model's KVCacheLayout.latent (DeepSeek's MLA)
 
     @property
     def kv_head_range(self) -> tuple[int, int]:
@@ -77,6 +78,7 @@ def plan_kv_cache(config: EngineConfig, model: CausalLM) -> KVCacheSpec:
         layout.head_dim,
         config.torch_dtype,
         layout.kv_head_start,
+        layout.latent,
     )
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -136,7 +138,8 @@ class ModelRunner:
         self.input_staging = InputStaging(device)
         connector.register_kv_cache(self.kv_cache)
         self.decode_graphs = None
-        if device.type == "cuda" and cuda_graph_max_batch > 0:
+        # graphs capture the fused kernels' path (the torch paths wait on the host)
+        if device.type == "cuda" and cuda_graph_max_batch > 0 and model.fused_ops:
             from tandem.executor.cuda_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(

@@ -36,6 +36,9 @@ class KVCacheLayout:
     num_kv_heads: int
     head_dim: int
     kv_head_start: int = 0
+    # latent attention (DeepSeek): (kv_lora_rank, qk_rope_head_dim), one token's latent vector
+    # split in halves over the two planes (see tandem.models.layers.mla); None: keys and values
+    latent: tuple[int, int] | None = None
 
 
 class CausalLM(Protocol):

@@ -186,11 +186,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.fused_ops = fused_ops
         self.backend = backend
-        self.tp = tp = tp or TensorParallelGroup.single()
-        self.model = LlamaModel(config, backend, fused_ops, tp, self.build_mlp)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, fused_ops, tp)
+        self.tp = tp or TensorParallelGroup.single()
+        self.model = self.build_model()
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, fused_ops, self.tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_model(self) -> nn.Module:
+        """The decoder stack (a subclass's may have other attention layers)."""
+        return LlamaModel(self.config, self.backend, self.fused_ops, self.tp, self.build_mlp)
 
     def build_mlp(self, index: int) -> nn.Module:
         """Layer `index`'s MLP (a subclass's may be experts)."""

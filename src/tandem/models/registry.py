@@ -23,6 +23,9 @@ MODELS: dict[str, tuple[str, str]] = {
     # mixture-of-experts decoders: one class too (see models/moe.py)
     "Qwen3MoeForCausalLM": ("tandem.models.moe", "MoeForCausalLM"),
     "MixtralForCausalLM": ("tandem.models.moe", "MoeForCausalLM"),
+    # latent attention and experts (see models/deepseek.py)
+    "DeepseekV2ForCausalLM": ("tandem.models.deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("tandem.models.deepseek", "DeepseekForCausalLM"),
 }
 # model_type -> architecture, for configs that name no architecture
 ARCHITECTURE_OF_MODEL_TYPE = {
@@ -32,6 +35,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

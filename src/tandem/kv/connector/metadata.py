@@ -59,7 +59,10 @@ class TransferShape:
 
 def kv_layout(kv_spec, num_kv_heads: int | None = None) -> str:
     """The layout both workers of a transfer must share, as kv_transfer_params' kv_layout
-    (num_kv_heads: the model's, where the spec is one rank's shard)."""
+    (num_kv_heads: the model's, where the spec is one rank's shard); a latent cache (MLA) is
+    "{layers}xlatent{kv_lora_rank}+{qk_rope_head_dim}:{dtype}"."""
     dtype = str(kv_spec.dtype).removeprefix("torch.")
+    if kv_spec.latent is not None:
+        return f"{kv_spec.num_layers}xlatent{kv_spec.latent[0]}+{kv_spec.latent[1]}:{dtype}"
     heads = kv_spec.num_kv_heads if num_kv_heads is None else num_kv_heads
     return f"{kv_spec.num_layers}x2x{heads}x{kv_spec.head_dim}:{dtype}"

@@ -39,20 +39,56 @@ GATE, UP = 0, 1  # the halves of gate_up_proj, as a checkpoint's gate_proj / up_
 
 
 class TopKRouter(nn.Module):
-    """[T, hidden] -> (routing weights [T, k] float32, expert ids [T, k] int64)."""
+    """[T, hidden] -> (routing weights [T, k] float32, expert ids [T, k] int64).
+
+    DeepSeek's variants (`MoEConfig.topk_method`): V2's group_limited_greedy keeps a token's
+    experts within its best topk_groups of num_groups groups (a group's score: its best
+    expert's); V3's noaux_tc scores by sigmoid, chooses by score + e_score_correction_bias (a
+    group's score: its best two) and weights by the score alone; both then scale the weights by
+    routed_scaling_factor."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
-        self.top_k = moe.top_k
-        self.renormalize = moe.renormalize
+        self.moe = moe
+        if moe.topk_method == "noaux_tc":  # float32, as the checkpoint keeps it
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(moe.num_experts, dtype=torch.float32)
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
-        weights, expert_ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
+        moe = self.moe
+        logits = F.linear(x, self.weight)
+        if moe.scoring == "sigmoid":
+            scores = logits.float().sigmoid()
+        else:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if moe.topk_method == "greedy":
+            weights, expert_ids = scores.topk(moe.top_k, dim=-1)
+        else:
+            choice = scores
+            if moe.topk_method == "noaux_tc":
+                choice = scores + self.e_score_correction_bias
+            expert_ids = self.group_limited_topk(choice)
+            weights = scores.gather(1, expert_ids)
+        if moe.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
         return weights, expert_ids
+
+    def group_limited_topk(self, choice: torch.Tensor) -> torch.Tensor:
+        """The top-k of `choice` [T, experts] among the experts of each token's best groups."""
+        moe = self.moe
+        grouped = choice.view(choice.shape[0], moe.num_groups, -1)  # [T, groups, per group]
+        if moe.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        best_groups = group_scores.topk(moe.topk_groups, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        masked = grouped.masked_fill(~kept[:, :, None], float("-inf")).flatten(1)
+        return masked.topk(moe.top_k, dim=-1).indices
 
 
 def experts_reference(
