@@ -94,9 +94,14 @@ DEEPSEEK_SHAPES = {
         topk_method="greedy",
         norm_topk_prob=False,
         rope_parameters=dict(
-            rope_type="yarn", rope_theta=10000.0, factor=16.0,
-            original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
-            mscale=0.707, mscale_all_dim=0.707,
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=16.0,
+            original_max_position_embeddings=64,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=0.707,
+            mscale_all_dim=0.707,
         ),  # fmt: skip
     ),
     # V3-like: q compression (q_lora_rank), sigmoid scores with the correction bias, top-2 of 8
@@ -125,9 +130,14 @@ DEEPSEEK_SHAPES = {
         rope_interleave=True,
         num_mtp_layers=0,
         rope_parameters=dict(
-            rope_type="yarn", rope_theta=10000.0, factor=16.0,
-            original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
-            mscale=1.0, mscale_all_dim=0.8,
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=16.0,
+            original_max_position_embeddings=64,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=0.8,
         ),  # fmt: skip
     ),
 }
