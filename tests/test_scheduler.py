@@ -198,6 +198,20 @@ def test_long_prompt_is_chunked_under_the_token_budget():
     assert harness.kv.num_used_blocks == 0
 
 
+def test_the_prompt_tokens_waiting_count_what_chunked_prefill_has_left():
+    from tandem.engine.core_process import prompt_tokens_waiting
+
+    harness = Harness(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=10)
+    harness.add("a", list(range(1, 26)), max_tokens=3, ignore_eos=True)  # 25 tokens
+    harness.add("b", list(range(30, 37)), max_tokens=2, ignore_eos=True)  # 7 tokens
+    # The plan of the test above: a's prompt in chunks of 10, 10, 5, b's in 5 and 2.
+    waiting = [prompt_tokens_waiting(harness.scheduler)]
+    while harness.scheduler.has_work():
+        harness.step()
+        waiting.append(prompt_tokens_waiting(harness.scheduler))
+    assert waiting == [25 + 7, 15 + 7, 5 + 7, 0 + 2, 0, 0]
+
+
 def test_fully_cached_prompt_computes_only_its_last_token():
     harness = Harness(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     prompt = list(range(1, 10))  # 9 tokens: two full blocks, then one token

@@ -22,6 +22,7 @@ answers what is left with 503s and exits, for its supervisor to restart it.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import signal
@@ -71,17 +72,25 @@ def collect_stats(core) -> dict[str, Any]:
         "kv_blocks_total": kv.num_blocks,
         "requests_running": scheduler.num_running,
         "requests_waiting": scheduler.num_waiting,
-        # the prefill queue a router balances on: prompt tokens admitted, not yet computed
-        "tokens_waiting": sum(
-            max(0, len(request.prompt_token_ids) - request.num_computed_tokens)
-            for request in (*scheduler.waiting, *scheduler.running)
-        ),
+        "tokens_waiting": prompt_tokens_waiting(scheduler),
         "prefix_cache_queries": kv.num_prefix_queries,
         "prefix_cache_hits": kv.num_prefix_hits,
         "num_preemptions": scheduler.num_preemptions,
     }
     stats.update(core.connector.stats())
     return stats
+
+
+def prompt_tokens_waiting(scheduler) -> int:
+    """The prefill queue a router balances on: prompt tokens admitted, not yet computed. It
+    runs after every step, over every running request: a plain loop, a few times cheaper than
+    a generator calling max() per request."""
+    total = 0
+    for request in itertools.chain(scheduler.waiting, scheduler.running):
+        left = len(request.prompt_token_ids) - request.num_computed_tokens
+        if left > 0:
+            total += left
+    return total
 
 
 def run_engine_core(

@@ -299,7 +299,7 @@ class Scheduler:
         (the matchers stay with the scheduler) and carried to the sampler as plain bytes."""
         rows = [item for item in scheduled if item.sample]
         grammars = [self.requests[item.request_id].grammar for item in rows]
-        if not any(grammar is not None for grammar in grammars):
+        if grammars.count(None) == len(grammars):  # every step runs this: no generator
             return
         for item, bitmask in zip(rows, grammar_bitmasks(grammars), strict=True):
             item.grammar_bitmask = bitmask
@@ -311,9 +311,11 @@ class Scheduler:
         before the tokens are taken (a grammar the token completes ends its request)."""
         grammars, token_ids = [], []
         for item in scheduler_output.requests:
+            if item.grammar_bitmask is None:  # most rows: no look-ups for them
+                continue
             request = self.requests.get(item.request_id)
             token_id = runner_output.sampled_token_ids.get(item.request_id)
-            if item.grammar_bitmask is None or request is None or token_id is None:
+            if request is None or token_id is None:
                 continue
             grammars.append(request.grammar)
             token_ids.append(token_id)
