@@ -10,7 +10,7 @@ vocabulary in two layers), given SmolLM2's tokenizer by `--tokenizer`, all start
 
     flagged   --seed 7 --max-logprobs 3 --root-path /tandem --no-enable-prefix-caching
     tls       --seed 7 --ssl-keyfile K --ssl-certfile C --disable-log-requests
-    producer  --seed 8 --kv-transfer-config {NixlConnector, kv_producer, kv_port}
+    producer  --seed 8 --kv-transfer-config {P2pNcclConnector, kv_producer, kv_port}
               --uvicorn-log-level warning
     consumer  --seed 8 --kv-transfer-config {P2pNcclConnector, kv_consumer}
 
@@ -181,7 +181,7 @@ def test_tokenizer_gives_a_config_in_dummy_weights_text(tmp_path, tokenizer_dir)
 VLLM_KV_CONFIGS = [
     (
         {"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
-        {"role": "prefill", "kv_transport": "tcp"},
+        {"role": "prefill", "kv_transport": "nixl"},
     ),
     (
         {"kv_connector": "P2pNcclConnector", "kv_role": "kv_consumer", "kv_port": 14579},
@@ -189,7 +189,7 @@ VLLM_KV_CONFIGS = [
     ),
     (
         {"kv_connector": "MooncakeConnector", "kv_role": "kv_both", "kv_ip": "10.0.0.2"},
-        {"role": "both", "kv_transport": "tcp", "kv_host": "10.0.0.2"},
+        {"role": "both", "kv_transport": "mooncake", "kv_host": "10.0.0.2"},
     ),
     (
         {
@@ -200,7 +200,7 @@ VLLM_KV_CONFIGS = [
             "kv_connector_extra_config": {"backends": ["UCX"]},
             "engine_id": "e0",
         },
-        {"role": "decode", "kv_transport": "tcp", "kv_load_failure_policy": "fail"},
+        {"role": "decode", "kv_transport": "nixl", "kv_load_failure_policy": "fail"},
     ),
 ]
 
@@ -211,7 +211,8 @@ def test_vllm_kv_transfer_configs_become_tandem_flags(vllm, tandem_flags):
     notes = kv_transfer_config.apply(args, KV_FLAG_DEFAULTS)
     expected = {**KV_FLAG_DEFAULTS, **tandem_flags}
     assert {dest: getattr(args, dest) for dest in KV_FLAG_DEFAULTS} == expected
-    assert any(f"{vllm['kv_connector']} maps to tandem's tcp KV transport" in n for n in notes)
+    transport = tandem_flags["kv_transport"]
+    assert any(f"{vllm['kv_connector']} maps to tandem's {transport} KV" in n for n in notes)
     ignored = [key for key in kv_transfer_config.IGNORED_KEYS if key in vllm]
     assert any(f"{', '.join(ignored)} ignored" in n for n in notes) == bool(ignored)
 
@@ -363,7 +364,7 @@ def workers(tmp_path_factory, tokenizer_dir) -> Iterator[dict]:
     key, cert = self_signed_certificate(root)
     common = ("--tokenizer", str(tokenizer_dir), "--num-kv-blocks", "64")
     kv_port = free_port()
-    producer = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_port": kv_port}
+    producer = {"kv_connector": "P2pNcclConnector", "kv_role": "kv_producer", "kv_port": kv_port}
     consumer = {"kv_connector": "P2pNcclConnector", "kv_role": "kv_consumer"}
     specs = {
         "flagged": ("--seed", "7", "--max-logprobs", "3", "--root-path", ROOT_PATH)
@@ -533,7 +534,7 @@ def test_a_vllm_pd_launch_script_runs_with_tandem_worker(workers):
     assert producer["kv"]["transport"] == "tcp" and producer["kv"]["port"] == workers["kv_port"]
     assert httpx.get(f"{urls['consumer']}/health", timeout=10).json()["role"] == "decode"
     log = processes["producer"].log_path.read_text()
-    assert "NixlConnector maps to tandem's tcp KV transport" in log
+    assert "P2pNcclConnector maps to tandem's tcp KV transport" in log
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
     with httpx.Client() as client:
         pd = run_pd(client, urls["producer"], urls["consumer"], "/v1/completions", body)

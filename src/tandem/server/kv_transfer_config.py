@@ -4,12 +4,13 @@ that a vLLM PD launch script runs with `vllm serve` changed to `tandem worker`.
     vLLM key                   tandem
     kv_role                    --role: kv_producer -> prefill, kv_consumer -> decode,
                                kv_both -> both (with a KV transport: serves either leg)
-    kv_connector               NixlConnector, P2pNcclConnector, MooncakeConnector,
-                               PyNcclConnector -> --kv-transport tcp, said in the log (worker to
-                               worker; a --kv-transport given beside it wins: cuda-ipc between
-                               GPUs of one host); a connector that keeps KV in storage or a
-                               cache service (LMCache, SharedStorage, Offloading, Multi) or an
-                               unknown one is refused
+    kv_connector               NixlConnector -> --kv-transport nixl, MooncakeConnector ->
+                               mooncake (the same libraries), P2pNcclConnector and
+                               PyNcclConnector -> tcp (worker to worker), each said in the log
+                               (a --kv-transport given beside it wins: cuda-ipc between GPUs of
+                               one host); a connector that keeps KV in storage or a cache
+                               service (LMCache, SharedStorage, Offloading, Multi) or an unknown
+                               one is refused
     kv_ip, kv_port             --kv-host, --kv-port
     kv_load_failure_policy     --kv-load-failure-policy (recompute | fail)
     engine_id, kv_buffer_*,    ignored, said in the log: they tune vLLM's connectors
@@ -29,8 +30,13 @@ from typing import Any
 
 from tandem.server.worker_flags import LOAD_FAILURE_POLICIES
 
-# vLLM's point-to-point connectors: tandem moves the same KV over its own transport
-CONNECTORS_OVER_TCP = ("NixlConnector", "P2pNcclConnector", "MooncakeConnector", "PyNcclConnector")
+# vLLM's point-to-point connectors, and the transport tandem moves the same KV over
+CONNECTOR_TRANSPORTS = {
+    "NixlConnector": "nixl",
+    "MooncakeConnector": "mooncake",
+    "P2pNcclConnector": "tcp",
+    "PyNcclConnector": "tcp",
+}
 # vLLM's connectors that keep KV in storage, a cache service or host memory (or combine others)
 STORAGE_CONNECTORS = (
     "LMCacheConnectorV1",
@@ -96,17 +102,19 @@ def map_kv_transfer_config(config: dict[str, Any]) -> MappedKVConfig:
         if connector in STORAGE_CONNECTORS:
             raise ValueError(
                 f"kv_connector {connector} keeps KV outside the workers, which tandem does not: "
-                f"its PD workers hand KV over directly; use one of {', '.join(CONNECTORS_OVER_TCP)}"
+                f"its PD workers hand KV over directly; use one of "
+                f"{', '.join(CONNECTOR_TRANSPORTS)}"
             )
-        if connector not in CONNECTORS_OVER_TCP:
+        if connector not in CONNECTOR_TRANSPORTS:
             raise ValueError(
                 f"kv_connector {connector!r} is unknown; tandem takes "
-                f"{', '.join(CONNECTORS_OVER_TCP)} (all over its own tcp transport)"
+                f"{', '.join(CONNECTOR_TRANSPORTS)}"
             )
-        flags["kv_transport"] = "tcp"
+        transport = CONNECTOR_TRANSPORTS[connector]
+        flags["kv_transport"] = transport
         notes.append(
-            f"--kv-transfer-config: {connector} maps to tandem's tcp KV transport (worker to "
-            "worker; --kv-transport cuda-ipc for GPU to GPU on one host)"
+            f"--kv-transfer-config: {connector} maps to tandem's {transport} KV transport "
+            "(--kv-transport cuda-ipc for GPU to GPU on one host)"
         )
     if "kv_ip" in config:
         if not isinstance(config["kv_ip"], str) or not config["kv_ip"]:
