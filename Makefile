@@ -23,16 +23,21 @@ SERVE_FLAGS = $(if $(call given,PORT),--port $(PORT)) $(if $(call given,MODEL),-
 serve: $(VENV)/.installed
 	$(VENV)/bin/tandem serve $(strip $(SERVE_FLAGS))
 
-# `make test`: the suite without the tests marked slow (under 15 minutes on two cores);
+# `make test`: the suite without the tests marked slow (about 13 minutes on two cores);
 # `make test-all`: every test (lm-eval through PD, the bench against a real worker, more
-# engine-against-transformers variants).
+# engine-against-transformers variants). JOBS test files run at once (pytest-xdist; each file's
+# tests stay in one process, so its module fixtures start once): most of a test's time is spent
+# waiting on the workers it starts. JOBS=0 runs them one at a time.
+JOBS ?= 2
+PYTEST = $(VENV)/bin/pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile
+
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-all: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(PYTEST)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests

@@ -287,6 +287,8 @@ def test_ctrl_c_on_serve_leaves_no_process(cluster):
     wait_until(lambda: not any(alive(pid) for pid in children), 10, "every child exiting")
 
 
+@pytest.mark.slow  # 25 s; by default: test_a_killed_decode_worker_comes_back (the restart) and
+# test_pd_failures' killed decode worker (the client's side)
 def test_killing_a_real_decode_worker_mid_stream(tmp_path, tiny_checkpoints):
     """Streams through the router end with an error event when their decode worker dies; new
     requests succeed once a decode worker is back on the same address."""

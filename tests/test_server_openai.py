@@ -669,6 +669,7 @@ def test_auto_tool_calls(client, llm):
     assert plain.choices[0].finish_reason == plain_reference.finish_reason
 
 
+@pytest.mark.slow  # a worker of its own; the parser itself: tests/test_tool_calls.py
 def test_mistral_tool_call_parser_keeps_special_tokens(tmp_path, llm):
     """The mistral parser's markers are special tokens, so with it tool_choice "auto" keeps
     special tokens in the text (as vLLM does): the answer is the offline engine's text with
@@ -778,6 +779,7 @@ def test_a_model_without_a_chat_template_is_told_what_to_do(tmp_path):
         read_chat_template(str(tmp_path / "missing.jinja"))
 
 
+@pytest.mark.slow  # a worker of its own; the parsers themselves: tests/test_reasoning.py
 def test_reasoning_parser_splits_reasoning_off_the_content(tmp_path, llm):
     """A worker with --reasoning-parser deepseek_r1, on an output that holds `</think>`: the
     offline engine's text, split at the tag by hand, as the message's reasoning (also as
