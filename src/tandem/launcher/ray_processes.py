@@ -33,7 +33,7 @@ import httpx
 from tandem.kv.data import installed
 from tandem.launcher.plan import ProcessPlan, expected_router_counts
 from tandem.launcher.ray_cluster import HostInfo, placed_argv, placed_url
-from tandem.launcher.supervisor import _kill_group
+from tandem.launcher.supervisor import RestartPolicy, _kill_group
 from tandem.lifetime import die_with_parent
 
 HEALTH_TIMEOUT_S = 1.0
@@ -162,10 +162,9 @@ class RaySupervisor:
         self.router_url = router_url
         self.secrets = secrets
         self.startup_timeout_s = startup_timeout_s
-        self.max_start_failures = max_start_failures
-        self.initial_backoff_s = initial_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.backoff_reset_s = backoff_reset_s
+        self.restart_policy = RestartPolicy(
+            max_start_failures, initial_backoff_s, max_backoff_s, backoff_reset_s
+        )
         self.out = out
         self.router = next(child for child in self.children if child.plan.role == "router")
         self.expected_counts = expected_router_counts(plans)
@@ -189,20 +188,12 @@ class RaySupervisor:
         """Schedules the restart of a child whose process ended; returns why the cluster must
         stop instead, when this was one failed start too many."""
         child.running = False
-        now = time.monotonic()
-        if child.healthy_since is None:
-            child.failed_starts += 1
-            if child.failed_starts >= self.max_start_failures:
-                return (
-                    f"{child.plan.name} failed to start {child.failed_starts} times in a row, "
-                    f"the last time: {why}"
-                )
-        elif now - child.healthy_since >= self.backoff_reset_s:
-            child.backoff_s = self.initial_backoff_s
-        delay = child.backoff_s
-        child.backoff_s = min(2 * delay, self.max_backoff_s)
-        child.restarts += 1
-        child.restart_at = now + delay
+        delay = self.restart_policy.schedule(child, time.monotonic())
+        if delay is None:
+            return (
+                f"{child.plan.name} failed to start {child.failed_starts} times in a row, "
+                f"the last time: {why}"
+            )
         child.healthy_since = None
         self._say(f"{child.plan.name} {why}; restarting in {delay:g} s (restart {child.restarts})")
         return None

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 
@@ -56,6 +56,32 @@ def _kill_group(process: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(process.pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a child that ended starts again ("Supervision" above); the Ray launcher's too."""
+
+    max_start_failures: int = 3
+    initial_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    backoff_reset_s: float = 60.0
+
+    def schedule(self, child: Any, now: float) -> float | None:
+        """Schedules the restart of `child` (its backoff_s, healthy_since, failed_starts,
+        restarts, restart_at), which ended at `now`: the delay before it, or None when this
+        was one failed start too many."""
+        if child.healthy_since is None:
+            child.failed_starts += 1
+            if child.failed_starts >= self.max_start_failures:
+                return None
+        elif now - child.healthy_since >= self.backoff_reset_s:
+            child.backoff_s = self.initial_backoff_s
+        delay = child.backoff_s
+        child.backoff_s = min(2 * delay, self.max_backoff_s)
+        child.restarts += 1
+        child.restart_at = now + delay
+        return delay
 
 
 @dataclass
@@ -88,10 +114,9 @@ class Supervisor:
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self.max_start_failures = max_start_failures
-        self.initial_backoff_s = initial_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.backoff_reset_s = backoff_reset_s
+        self.restart_policy = RestartPolicy(
+            max_start_failures, initial_backoff_s, max_backoff_s, backoff_reset_s
+        )
         self.env = dict(env) if env is not None else None
         self.out = out
         self.children = [Child(plan, initial_backoff_s) for plan in plans]
@@ -135,20 +160,12 @@ class Supervisor:
         _kill_group(child.process, signal.SIGKILL)  # grandchildren holding ports or memory
         child.process.wait()
         child.process = None
-        now = time.monotonic()
-        if child.healthy_since is None:
-            child.failed_starts += 1
-            if child.failed_starts >= self.max_start_failures:
-                return (
-                    f"{child.plan.name} ({child.plan.url}) failed to start "
-                    f"{child.failed_starts} times in a row, the last time: {why}"
-                )
-        elif now - child.healthy_since >= self.backoff_reset_s:
-            child.backoff_s = self.initial_backoff_s
-        delay = child.backoff_s
-        child.backoff_s = min(2 * delay, self.max_backoff_s)
-        child.restarts += 1
-        child.restart_at = now + delay
+        delay = self.restart_policy.schedule(child, time.monotonic())
+        if delay is None:
+            return (
+                f"{child.plan.name} ({child.plan.url}) failed to start "
+                f"{child.failed_starts} times in a row, the last time: {why}"
+            )
         self._say(f"{child.plan.name} {why}; restarting in {delay:g} s (restart {child.restarts})")
         return None
 
