@@ -26,6 +26,7 @@ import openai
 import pytest
 import yaml
 
+from process_tree import alive, children_of, descendants
 from tandem.launcher.cli import add_parser, cluster_data
 from tandem.launcher.cluster import ClusterError, parse_cluster
 from tandem.launcher.plan import plan_processes
@@ -220,32 +221,6 @@ def actors(address: str) -> dict[str, object]:
 
     found = list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True)
     return {actor.repr_name: actor for actor in found}
-
-
-def children_of(pid: int) -> set[int]:
-    return {
-        int(child)
-        for task in Path(f"/proc/{pid}/task").glob("*/children")
-        for child in task.read_text().split()
-    }
-
-
-def descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    frontier = [pid]
-    while frontier:
-        children = children_of(frontier.pop()) - found
-        frontier.extend(children)
-        found |= children
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from process_tree import alive, descendants
 from worker_fixtures import DEFAULT_MODEL, free_port, running_worker, start_worker
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -48,27 +49,6 @@ def wait_until(condition, timeout: float, what: str) -> None:
             pass
         time.sleep(0.25)
     raise AssertionError(f"{what} did not happen within {timeout} s")
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below pid (from /proc), the launcher's workers and engine cores."""
-    found: set[int] = set()
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*/children"):
-            children = {int(child) for child in task.read_text().split()}
-            frontier.extend(children - found)
-            found |= children
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
