@@ -32,7 +32,7 @@ def test_default_plan_is_three_configurations_on_the_same_workers(tmp_path: Path
         (
             "adaptive",
             ("--config", str(adaptive_file), "--auto", "3", "--prefill", "0", "--decode", "0")
-            + ("--disaggregation", "conditional"),
+            + ("--disaggregation", "conditional", "--decode-policy", "prefix-aware"),
         ),
     ]
     assert [path for cluster in clusters for path, _ in cluster.files] == [adaptive_file]

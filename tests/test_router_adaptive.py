@@ -329,6 +329,20 @@ def test_a_cluster_file_starts_auto_workers_and_passes_the_adaptive_router_keys(
     assert given["--max-local-prefill-length"] == "256" and given["--planner-dwell-s"] == "2.5"
     assert "--max-prefill-queue-tokens" not in given  # unset keys keep the router's defaults
     assert expected_router_counts(plans) == {"prefill": 0, "decode": 2, "both": 0}
+    # The same from tandem serve's flags, which the router's choices must accept.
+    from tandem.cli import build_parser
+    from tandem.launcher.cli import cluster_data
+    from tandem.router.config import DECODE_POLICIES, PREFILL_POLICIES
+
+    flags = ["--prefill-policy", "round-robin", "--decode-policy", "prefix-aware"]
+    serve = build_parser().parse_args(["serve", *flags])
+    router = plan_processes(parse_cluster(cluster_data(serve)), "cpu", 0, python="py")[-1].argv
+    given = {router[i]: router[i + 1] for i in range(len(router) - 1) if router[i][:2] == "--"}
+    assert (given["--prefill-policy"], given["--decode-policy"]) == ("round-robin", "prefix-aware")
+    serve_parser = build_parser()._subparsers._group_actions[0].choices["serve"]
+    choices = {action.dest: set(action.choices or ()) for action in serve_parser._actions}
+    assert choices["prefill_policy"] == set(PREFILL_POLICIES)
+    assert choices["decode_policy"] == set(DECODE_POLICIES)
     # Auto workers feed decode workers, or take their KV: one layout and transport.
     tcp = {"kv_transport": "tcp"}
     parse_cluster({"roles": {"decode": {"count": 1, "engine": tcp}, "auto": {"count": 1}}})

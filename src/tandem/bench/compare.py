@@ -4,10 +4,11 @@ The configurations, on the same GPUs (W = P + D workers unless --num-colocated /
 * colocated: `tandem serve --both W --prefill 0 --decode 0`;
 * pd: `tandem serve --prefill P --decode D` (a fixed split);
 * adaptive: `tandem serve --config RESULT_DIR/adaptive-cluster.yaml --auto W --prefill 0
-  --decode 0 --disaggregation conditional`: auto workers whose roles the router's planner sets,
-  requests with a short uncached prompt (or a long prefill queue) served whole on their decode
-  worker, and the file sets what `tandem serve` has no flag for (the router's prefix-aware
-  decode routing; the auto workers' KV transport, as without a file).
+  --decode 0 --disaggregation conditional --decode-policy prefix-aware`: auto workers whose
+  roles the router's planner sets, requests with a short uncached prompt (or a long prefill
+  queue) served whole on their decode worker, decode on the worker holding most of the prompt,
+  and the file sets what `tandem serve` has no flag for (the auto workers' KV transport, as
+  without a file).
 For each chosen configuration in turn: start `tandem serve` in its own process group, wait for
 `GET /health` == 200 on the router port, run the sweep of `tandem bench serve`, then stop the
 whole group (SIGINT, then SIGTERM, then SIGKILL, each after a grace period). Only one cluster runs
@@ -51,7 +52,6 @@ ADAPTIVE_CLUSTER_YAML = """\
 # The adaptive configuration of tandem bench compare: what tandem serve has no flag for.
 roles:
   decode: {engine: {kv_transport: auto}}  # auto workers take the decode role's KV transport
-router: {decode_policy: prefix-aware}     # decode on the worker holding most of the prompt
 """
 
 
@@ -79,7 +79,7 @@ def clusters_for(args: argparse.Namespace, result_dir: Path) -> list[Cluster]:
         "adaptive": Cluster(
             "adaptive",
             ("--config", str(adaptive_file), "--auto", num_auto, "--prefill", "0", "--decode", "0")
-            + ("--disaggregation", "conditional"),
+            + ("--disaggregation", "conditional", "--decode-policy", "prefix-aware"),
             ((adaptive_file, ADAPTIVE_CLUSTER_YAML),),
         ),
     }

@@ -121,6 +121,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the router's: conditional serves short prompts whole (see tandem router --help)",
     )
     parser.add_argument(
+        "--prefill-policy",
+        choices=("prefix-aware", "least-outstanding", "round-robin"),
+        help="the router's choice of prefill worker (see tandem router --help)",
+    )
+    parser.add_argument(
+        "--decode-policy",
+        choices=("least-outstanding", "round-robin", "prefix-aware"),
+        help="the router's choice of decode worker; prefix-aware sends a conversation's next "
+        "turn where its KV already is (see tandem router --help)",
+    )
+    parser.add_argument(
         "--pd",
         type=int,
         metavar="N",
@@ -243,6 +254,8 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "roles.pd.count": args.pd,
         "roles.auto.count": args.auto,
         "router.disaggregation": args.disaggregation,
+        "router.prefill_policy": args.prefill_policy,
+        "router.decode_policy": args.decode_policy,
         "roles.prefill.engine.kv_transport": args.kv_transport,
         "roles.decode.engine.kv_transport": args.kv_transport,
         "roles.pd.engine.kv_transport": args.kv_transport,
