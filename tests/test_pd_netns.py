@@ -5,8 +5,10 @@
                  reaches the prefill worker over the veth link
 
 The client runs prompts through both legs and the same prompts whole (no PD) on the prefill
-worker; the answers must be token-identical and both workers must end holding nothing. Skipped
-where network namespaces cannot be made (no iproute2, no privilege).
+worker; the answers must be token-identical and both workers must end holding nothing. Once per
+KV transport that crosses hosts: tcp, nixl (UCX over TCP) and mooncake (its TCP protocol), the
+last two where their library is installed. Skipped where network namespaces cannot be made (no
+iproute2, no privilege).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from tandem.kv.data import installed
 
 CHECKPOINT = "qwen3-qknorm"
 PREFILL_ADDRESS, DECODE_ADDRESS = "10.78.0.1", "10.78.0.2"
@@ -117,12 +121,21 @@ def stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def test_pd_between_network_namespaces(tiny_checkpoints, tmp_path: Path):
+TRANSPORTS = [
+    pytest.param(name, marks=pytest.mark.skipif(not installed(name), reason=f"{name} missing"))
+    for name in ("tcp", "nixl", "mooncake")
+]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pd_between_network_namespaces(tiny_checkpoints, tmp_path: Path, transport: str):
     tests_dir = Path(__file__).resolve().parent
     source_dir = tests_dir.parent / "src"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source_dir), str(tests_dir)]))
+    env.setdefault("UCX_TLS", "tcp")  # no RDMA here: NIXL's UCX over the veth link
     worker = [sys.executable, "-m", "tandem.cli", "worker", "--model"]
     worker += [str(tiny_checkpoints[CHECKPOINT]), "--num-kv-blocks", "512"]
+    worker += ["--kv-transport", transport]
     prefill_flags = ["--role", "prefill", "--host", PREFILL_ADDRESS, "--port", str(PREFILL_PORT)]
     decode_flags = ["--role", "decode", "--host", "127.0.0.1", "--port", str(DECODE_PORT)]
     with namespaces_joined_by_veth() as (prefill_ns, decode_ns):
