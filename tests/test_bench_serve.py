@@ -436,7 +436,7 @@ def test_compare_runs_three_configurations_and_stops_them(tmp_path: Path) -> Non
         ["--model", MODEL, "--prefill", "1", "--decode", "1", "--port", ports[1], *tail],
         ["--model", MODEL, "--config", str(out / "adaptive-cluster.yaml"), "--auto", "2"]
         + ["--prefill", "0", "--decode", "0", "--disaggregation", "conditional"]
-        + ["--port", ports[2], *tail],
+        + ["--decode-policy", "prefix-aware", "--port", ports[2], *tail],
     ]
     for launch in launches:
         with pytest.raises(ProcessLookupError):
