@@ -1,8 +1,28 @@
-"""The processes below a test's launcher or actor, read from /proc (Linux)."""
+"""A test's tandem processes: one started in a session of its own, and the processes below a
+launcher or an actor, read from /proc (Linux)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def tandem_process(log: Path, *args: str) -> subprocess.Popen:
+    """`python -m tandem.cli ARGS` in its own session (a group to signal), output to `log`."""
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def children_of(pid: int) -> set[int]:

@@ -26,6 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from process_tree import alive
 from tandem.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -379,14 +380,6 @@ def started_steps(calls: Path) -> list[int]:
     if not calls.exists():
         return []
     return [int(line.split()[0]) for line in calls.read_text().splitlines() if line[0].isdigit()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def wait_for_ready(process: subprocess.Popen) -> None:

@@ -26,7 +26,7 @@ import openai
 import pytest
 import yaml
 
-from process_tree import alive, children_of, descendants
+from process_tree import SRC, alive, children_of, descendants, tandem_process
 from tandem.launcher.cli import add_parser, cluster_data
 from tandem.launcher.cluster import ClusterError, parse_cluster
 from tandem.launcher.plan import plan_processes
@@ -42,7 +42,6 @@ from tandem.launcher.ray_cluster import (
 )
 from worker_fixtures import read_metrics, start_worker
 
-SRC = Path(__file__).resolve().parent.parent / "src"
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
@@ -168,19 +167,6 @@ def test_the_cluster_files_ray_section():
         parse_cluster(two_roles({}, {}, ray={"placement": "diagonal"}))
     with pytest.raises(ClusterError, match="ray.nodes"):
         parse_cluster(two_roles({}, {}, ray={"nodes": {"planner": {"node_a": 1}}}))
-
-
-def tandem_process(log: Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
 
 
 def test_without_ray_the_flag_names_the_install(tmp_path):

@@ -9,8 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,24 +17,10 @@ import httpx
 import openai
 import pytest
 
-from process_tree import alive, descendants
+from process_tree import alive, descendants, tandem_process
 from worker_fixtures import DEFAULT_MODEL, free_port, running_worker, start_worker
 
-SRC = Path(__file__).resolve().parent.parent / "src"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def tandem_process(log: Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
 
 
 def wait_until(condition, timeout: float, what: str) -> None:
