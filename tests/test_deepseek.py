@@ -33,7 +33,7 @@ from pd_fixtures import (
     running_processes,
     with_defaults,
 )
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tandem.attention.base import AttentionMetadata, get_backend
 from tandem.distributed.group import TensorParallelGroup
 from tandem.models import registry
@@ -41,7 +41,7 @@ from tandem.models.config import ModelConfig, MoEConfig
 from tandem.models.layers.mla import MLARotary
 from tandem.models.layers.moe import TopKRouter
 from tandem.models.loader import iter_safetensors, load_model, resolve_model
-from tiny_models import DEEPSEEK_SHAPES, make_checkpoint, varied_prompts
+from tiny_models import DEEPSEEK_SHAPES, assert_generates, make_checkpoint, varied_prompts
 from worker_fixtures import start_worker
 
 NEW_TOKENS = 12
@@ -266,14 +266,8 @@ FAST = {("deepseek-v2-lite", "tp1"), ("deepseek-v3", "tp1"), ("deepseek-v3", "tp
     ],
 )
 def test_greedy_matches_transformers(shape, parallelism, checkpoints, references):
-    llm = LLM(str(checkpoints[shape]), **ENGINE, **PARALLELISM[parallelism])
-    try:
-        got = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY)]
-        for index, (tokens, expected) in enumerate(zip(got, references[shape], strict=True)):
-            assert tokens == expected, f"prompt {index} diverged from transformers"
-        assert llm.core.kv_manager.num_prefix_hits > 0
-    finally:
-        llm.core.shutdown()
+    settings = {**ENGINE, **PARALLELISM[parallelism]}
+    assert_generates(checkpoints[shape], settings, PROMPTS, GREEDY, references[shape])
 
 
 # --- PD between a TP=1 prefill and a TP=2 expert-parallel decode ------------------------------

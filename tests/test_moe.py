@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tandem.attention.base import get_backend
 from tandem.cli import build_parser
 from tandem.distributed.group import TensorParallelGroup
@@ -31,7 +31,7 @@ from tandem.models import registry
 from tandem.models.config import ModelConfig, MoEConfig
 from tandem.models.layers.moe import FusedMoE, TopKRouter, experts_reference
 from tandem.models.loader import SHIPPED_CONFIGS, iter_safetensors, load_model, resolve_model
-from tiny_models import MOE_SHAPES, make_checkpoint, varied_prompts
+from tiny_models import MOE_SHAPES, assert_generates, make_checkpoint, varied_prompts
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -284,14 +284,8 @@ PARALLELISM = {
 @pytest.mark.parametrize("parallelism", sorted(PARALLELISM))
 @pytest.mark.parametrize("shape", sorted(MOE_SHAPES))
 def test_greedy_matches_transformers(shape, parallelism, checkpoints, references):
-    llm = LLM(str(checkpoints[shape]), **ENGINE, **PARALLELISM[parallelism])
-    try:
-        got = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY)]
-        for index, (tokens, expected) in enumerate(zip(got, references[shape], strict=True)):
-            assert tokens == expected, f"prompt {index} diverged from transformers"
-        assert llm.core.kv_manager.num_prefix_hits > 0
-    finally:
-        llm.core.shutdown()
+    settings = {**ENGINE, **PARALLELISM[parallelism]}
+    assert_generates(checkpoints[shape], settings, PROMPTS, GREEDY, references[shape])
 
 
 # --- the fused path on a GPU ------------------------------------------------------------------

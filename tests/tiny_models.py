@@ -157,6 +157,21 @@ def varied_prompts(seed: int) -> list[list[int]]:
     return prompts
 
 
+def assert_generates(directory, settings, prompts, params, expected) -> None:
+    """The engine (LLM(directory, **settings)) generates `expected` for `prompts`, token for
+    token, with prefix-cache hits among the prompts (varied_prompts share prefixes)."""
+    from tandem import LLM
+
+    llm = LLM(str(directory), **settings)
+    try:
+        got = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+        for index, (tokens, reference) in enumerate(zip(got, expected, strict=True)):
+            assert tokens == reference, f"prompt {index} diverged from transformers"
+        assert llm.core.kv_manager.num_prefix_hits > 0
+    finally:
+        llm.core.shutdown()
+
+
 def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
     """Save a random checkpoint of shape `name` (config.json + model.safetensors) in directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
