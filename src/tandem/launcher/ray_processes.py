@@ -231,9 +231,7 @@ class RaySupervisor:
         if child.healthy_since is not None:
             return None
         if self._healthy(child, answer):
-            child.healthy_since = now
-            child.failed_starts = 0
-            if child.restarts:
+            if self.restart_policy.healthy(child, now):
                 self._say(f"{child.plan.name} is healthy again (restart {child.restarts})")
         elif now - child.started_at > self.startup_timeout_s:
             child.actor.stop.remote(0.0)

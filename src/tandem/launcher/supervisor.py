@@ -83,6 +83,13 @@ class RestartPolicy:
         child.restart_at = now + delay
         return delay
 
+    def healthy(self, child: Any, now: float) -> bool:
+        """Records that `child` is healthy since `now` (its failed starts in a row end); True
+        when it had been restarted before, which is worth saying."""
+        child.healthy_since = now
+        child.failed_starts = 0
+        return child.restarts > 0
+
 
 @dataclass
 class Child:
@@ -182,9 +189,7 @@ class Supervisor:
         if child.healthy_since is not None:
             return None
         if self._answers(client, child):
-            child.healthy_since = now
-            child.failed_starts = 0
-            if child.restarts:
+            if self.restart_policy.healthy(child, now):
                 self._say(f"{child.plan.name} is healthy again (restart {child.restarts})")
         elif now - child.started_at > self.startup_timeout_s:
             return self._ended(child, f"was not healthy after {self.startup_timeout_s:g} s")
