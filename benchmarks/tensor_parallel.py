@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_suite import cuda_time  # this script's folder is on sys.path when it runs
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
@@ -33,16 +34,7 @@ PROMPT = 8192
 def copy_bandwidth() -> float:
     source = torch.empty(2 << 30, dtype=torch.uint8, device="cuda:0")
     dest = torch.empty_like(source)
-    dest.copy_(source)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dest.copy_(source)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return 2 * source.numel() / statistics.median(times)  # bytes/s, read + write
+    return 2 * source.numel() / cuda_time(lambda: dest.copy_(source), 10)  # bytes/s, read + write
 
 
 def rank0_decode_bytes(core: EngineCore, context: int) -> int:
