@@ -1,4 +1,5 @@
-"""KV transfer through the data planes on CPU loopback: tcp, nixl and mooncake in one run.
+"""KV transfer through the data planes: tcp, nixl and mooncake on CPU loopback, or tcp, cuda-ipc
+and nixl between two GPUs of one host, in one run.
 
 A source process holds a KV cache of the Qwen3-0.6B shape (28 layers x 8 KV heads x head_dim 128,
 bf16, 16-token blocks) and serves one prompt's blocks (default 10k tokens, scattered block ids)
@@ -9,7 +10,13 @@ and checks the bytes once against the source. Reports the median seconds and GB/
 bytes) over the repetitions, and each plane's time as a ratio of tcp's. A plane whose library is
 not installed is left out.
 
+With --device cuda the source's cache is on GPU 0 and this process's on GPU 1: nixl registers
+VRAM (UCX picks its transports, cuda_ipc over NVLink where it can, unless UCX_TLS says), and the
+table adds the GPU0 -> GPU1 copy ceiling (one contiguous torch copy of the same bytes) and each
+plane's time as a ratio of cuda-ipc's.
+
     PYTHONPATH=src python benchmarks/kv_transfer_planes.py [--tokens 10000] [--repeats 5]
+        [--device cuda]
 """
 
 from __future__ import annotations
@@ -39,12 +46,12 @@ SOURCE = textwrap.dedent(
     import json, sys, torch
     from tandem.kv.data import data_plane_class
     from tandem.kv.control.server import KVServer
-    transport, shape, block_ids, repeats = sys.argv[1], json.loads(sys.argv[2]), \\
-        json.loads(sys.argv[3]), int(sys.argv[4])
-    cache = torch.empty(shape, dtype=torch.bfloat16)
+    transport, shape, block_ids, repeats, device = sys.argv[1], json.loads(sys.argv[2]), \\
+        json.loads(sys.argv[3]), int(sys.argv[4]), torch.device(sys.argv[5])
+    cache = torch.empty(shape, dtype=torch.bfloat16, device=device)
     for layer in range(shape[0]):  # deterministic contents the reader recomputes
         cache[layer].copy_(torch.arange(cache[layer].numel()).view(cache[layer].shape) + layer)
-    plane = data_plane_class(transport)(torch.device("cpu"), 300.0, None, lambda: None)
+    plane = data_plane_class(transport)(device, 300.0, None, lambda: None)
     plane.register_kv_cache(cache)
     server = KVServer("127.0.0.1", 0)
     if transport == "tcp":
@@ -70,10 +77,18 @@ def expected_cache(shape: list[int]) -> torch.Tensor:
     return cache
 
 
+def devices(args: argparse.Namespace) -> tuple[torch.device, torch.device]:
+    """The source's and this process's devices."""
+    if args.device == "cuda":
+        return torch.device("cuda:0"), torch.device("cuda:1")
+    return torch.device("cpu"), torch.device("cpu")
+
+
 def bench(transport: str, args: argparse.Namespace, block_ids: list[int], shape: list[int]):
+    source_device, local_device = devices(args)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent / "src"))
     command = [sys.executable, "-c", SOURCE, transport, json.dumps(shape)]
-    command += [json.dumps(block_ids), str(args.repeats)]
+    command += [json.dumps(block_ids), str(args.repeats), str(source_device)]
     source = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )
@@ -89,8 +104,8 @@ def bench(transport: str, args: argparse.Namespace, block_ids: list[int], shape:
             from tandem.kv.control.client import KVClient
 
             client = KVClient()
-        plane = data_plane_class(transport)(torch.device("cpu"), TRANSFER_TIMEOUT_S, client, int)
-        local = torch.zeros(shape, dtype=DTYPE)
+        plane = data_plane_class(transport)(local_device, TRANSFER_TIMEOUT_S, client, int)
+        local = torch.zeros(shape, dtype=DTYPE, device=local_device)
         plane.register_kv_cache(local)
         local_ids = list(range(len(block_ids)))
         seconds = []
@@ -102,13 +117,17 @@ def bench(transport: str, args: argparse.Namespace, block_ids: list[int], shape:
             )  # fmt: skip
             started = time.perf_counter()
             read = plane.start_read(source_of, local_ids, 0)
+            plane.start_queued_reads()  # cuda-ipc launches its copy here (the engine's thread)
             num_bytes = read.result() if read.wait(TRANSFER_TIMEOUT_S) else None
             if num_bytes is None:
                 raise RuntimeError(f"the {transport} read did not end")
+            read.wait_copied()
+            if local_device.type == "cuda":
+                torch.cuda.synchronize(local_device)
             if index:
                 seconds.append(time.perf_counter() - started)
         reference = expected_cache(shape)[:, :, block_ids]
-        if not torch.equal(local[:, :, local_ids], reference):
+        if not torch.equal(local[:, :, local_ids].cpu(), reference):
             raise RuntimeError(f"the {transport} read moved wrong bytes")
         plane.close()
         return num_bytes, seconds
@@ -117,20 +136,41 @@ def bench(transport: str, args: argparse.Namespace, block_ids: list[int], shape:
         source.wait(timeout=60)
 
 
+def copy_ceiling(num_bytes: int, repeats: int) -> float:
+    """Median seconds of one contiguous GPU0 -> GPU1 copy of num_bytes."""
+    source = torch.ones(num_bytes // 2, dtype=DTYPE, device="cuda:0")
+    target = torch.empty_like(source, device="cuda:1")
+    seconds = []
+    for index in range(repeats + 1):
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+        started = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize("cuda:1")
+        if index:
+            seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", help="write the results as JSON here too")
     args = parser.parse_args()
-    os.environ.setdefault("UCX_TLS", "tcp")
+    if args.device == "cpu":
+        os.environ.setdefault("UCX_TLS", "tcp")
+    transports = (
+        ("tcp", "cuda-ipc", "nixl") if args.device == "cuda" else ("tcp", "nixl", "mooncake")
+    )
     num_blocks = -(-args.tokens // BLOCK_SIZE)
     # the prompt's blocks, scattered over a cache twice their size (runs of 1 to 4 blocks)
     generator = torch.Generator().manual_seed(0)
     block_ids = torch.randperm(2 * num_blocks, generator=generator)[:num_blocks].tolist()
     shape = cache_shape(2 * num_blocks)
     rows = []
-    for transport in ("tcp", "nixl", "mooncake"):
+    for transport in transports:
         if not installed(transport):
             print(f"{transport}: not installed, left out", file=sys.stderr)
             continue
@@ -138,15 +178,23 @@ def main() -> None:
         median = statistics.median(seconds)
         rows.append({"transport": transport, "bytes": num_bytes, "seconds": median,
                      "gb_per_s": num_bytes / median / 1e9, "samples": seconds})  # fmt: skip
-    tcp_seconds = next(row["seconds"] for row in rows if row["transport"] == "tcp")
-    machine = f"{platform.node()} ({os.cpu_count()} CPUs), UCX_TLS={os.environ['UCX_TLS']}"
-    print(f"{args.tokens} tokens, Qwen3-0.6B KV shape, {rows[0]['bytes'] / 1e6:.0f} MB; {machine}")
-    print("| transport | median s | GB/s | time / tcp's |")
+    num_bytes = rows[0]["bytes"]
+    base = "cuda-ipc" if args.device == "cuda" else "tcp"
+    if args.device == "cuda":
+        seconds = copy_ceiling(num_bytes, args.repeats)
+        rows.append({"transport": "GPU0 -> GPU1 copy (ceiling)", "bytes": num_bytes,
+                     "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9})  # fmt: skip
+        machine = f"{torch.cuda.get_device_name(0)} x2, UCX_TLS={os.environ.get('UCX_TLS', '')}"
+    else:
+        machine = f"{platform.node()} ({os.cpu_count()} CPUs), UCX_TLS={os.environ['UCX_TLS']}"
+    base_seconds = next(row["seconds"] for row in rows if row["transport"] == base)
+    print(f"{args.tokens} tokens, Qwen3-0.6B KV shape, {num_bytes / 1e6:.0f} MB; {machine}")
+    print(f"| transport | median s | GB/s | time / {base}'s |")
     print("| --- | --- | --- | --- |")
     for row in rows:
-        row["ratio_to_tcp"] = row["seconds"] / tcp_seconds
-        print(f"| {row['transport']} | {row['seconds']:.3f} | {row['gb_per_s']:.2f} | "
-              f"{row['ratio_to_tcp']:.2f} |")  # fmt: skip
+        row[f"ratio_to_{base}"] = row["seconds"] / base_seconds
+        print(f"| {row['transport']} | {row['seconds']:.4f} | {row['gb_per_s']:.2f} | "
+              f"{row[f'ratio_to_{base}']:.2f} |")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 
