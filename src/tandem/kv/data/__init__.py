@@ -26,7 +26,14 @@ LIBRARIES = {"nixl": ("nixl", "nixl_cu12"), "mooncake": ("mooncake.engine",)}
 def installed(name: str) -> bool:
     """Whether the library a transport needs is importable (tcp and cuda-ipc need none)."""
     modules = LIBRARIES.get(name, ())
-    return not modules or any(importlib.util.find_spec(module) for module in modules)
+    return not modules or any(_importable(module) for module in modules)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing
+        return False
 
 
 def auto_transport(on_gpus: bool) -> str:
