@@ -33,6 +33,7 @@ from pd_fixtures import (
     running_routers,
     running_workers,
     token_prompt,
+    wait_for_value,
     with_defaults,
 )
 from tandem.kv.data import data_plane_class, installed
@@ -205,6 +206,11 @@ def test_pd_through_the_router_matches_a_both_worker(cluster, client):
     assert_nothing_held(cluster["prefill"], cluster["decode"])
     assert metric(cluster["decode"], "tandem_kv_transfer_blocks_received") > 0
     assert metric(cluster["decode"], "tandem_kv_transfer_failures_total") == 0
+    # read in place: the prefill counts what each confirmation says the decode read
+    for unit in ("bytes", "blocks"):
+        received = metric(cluster["decode"], f"tandem_kv_transfer_{unit}_received")
+        served = f"tandem_kv_transfer_{unit}_served_total"
+        wait_for_value(cluster["prefill"], served, received, timeout=10.0)
 
 
 def test_a_withdrawn_lease_is_recomputed_and_nothing_is_held(cluster, client):

@@ -7,15 +7,24 @@ raw client written from docs/protocol.md); block 0 is the whole layer as before;
 layers do not have is a mismatch. The tcp data plane reads into staging of the blocks read
 only, installs them into the local blocks, and on a tensor-parallel rank 0 keeps them for
 `install_shards`, which writes them as they are (no second slice).
+The prefill side counts what it served: the server reports, for each confirmed transfer, the
+bytes a fetch sent and the blocks it got, or the blocks a hold's CONFIRM says the decode read
+in place (an older client's CONFIRM says nothing: the whole transfer), and the control plane
+turns that into tandem_kv_transfer_bytes_served / _blocks_served.
 End to end on CPU: a prefill and a decode worker, and a second turn that extends the first
 one's prompt and answer: the decode leg hits its prefix cache, receives only the missing
 blocks (tandem_kv_transfer_bytes_received), and answers as a colocated worker does; nothing is
-held afterwards.
+held afterwards. Through a router, the prefill worker's bytes served per turn are the blocks
+the decode lacked times a block's bytes (from the checkpoint's config).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -42,19 +51,25 @@ from pd_fixtures import (
     post,
     prefill_leg,
     run_direct,
+    running_processes,
     running_workers,
     token_prompt,
+    wait_for_value,
     with_defaults,
 )
+from tandem.kv.config import KVTransferConfig
 from tandem.kv.connector.metadata import InstallSpec
 from tandem.kv.connector.ranks import install_shards
 from tandem.kv.control.client import KVClient
+from tandem.kv.control.plane import ControlPlane
 from tandem.kv.control.server import KVServer
-from tandem.kv.data.base import BlockSource
+from tandem.kv.data.base import BlockSource, StagedTransfer
 from tandem.kv.data.tcp import TcpDataPlane
 from tandem.kv.errors import KVTransferError
+from worker_fixtures import WorkerProcess, start_tandem
 
 NUM_BLOCKS = 5
+HELD = 8  # the answer to a hold (docs/protocol.md)
 
 
 @pytest.fixture
@@ -175,6 +190,112 @@ def test_an_old_fetch_without_first_block_reads_whole_layers(server):
         assert kind == ERROR
     finally:
         sock.close()
+
+
+# ---- what the prefill side counts as served ---------------------------------------------------
+
+
+class ServedRecorder:
+    """Collects a server's on_transfer_served calls: (id, bytes, blocks)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int | None, int | None]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, transfer_id: str, num_bytes: int | None, num_blocks: int | None) -> None:
+        with self.lock:
+            self.calls.append((transfer_id, num_bytes, num_blocks))
+
+
+def held_confirm(port: int, transfer_id: str, layer: int) -> None:
+    """A hold by a raw client: FETCH (hold), HELD, then CONFIRM with `layer` in its header
+    (1 + the blocks read; 0 as a client that does not say), then DONE."""
+    sock = raw_connect(port)
+    try:
+        request = {"transfer_id": transfer_id, "layer_nbytes": [], "hold": True}
+        sock.sendall(message(FETCH, msgspec.msgpack.encode(request)))
+        assert WIRE_HEADER.unpack(recv_exact(sock, WIRE_HEADER.size))[1] == HELD
+        sock.sendall(message(CONFIRM, layer=layer))
+        assert WIRE_HEADER.unpack(recv_exact(sock, WIRE_HEADER.size))[1] == DONE
+    finally:
+        sock.close()
+
+
+def test_the_server_reports_what_each_confirmed_transfer_served(client):
+    """A fetch: the payload bytes it got and its blocks; a hold: the blocks its CONFIRM says
+    were read (none said: None); a release: nothing. A fetch that broke reports nothing."""
+    served, done = ServedRecorder(), DoneRecorder()
+    kv_server = KVServer("127.0.0.1", 0, on_transfer_done=done, on_transfer_served=served)
+    try:
+        layers = make_layers(seed=5, num_blocks=NUM_BLOCKS)
+        for first_block in (0, 3):
+            kv_server.publish(f"fetch-{first_block}", layers)
+            received = [torch.empty_like(layer) for layer in tail(layers, first_block)]
+            client.fetch(
+                "127.0.0.1",
+                kv_server.port,
+                f"fetch-{first_block}",
+                received,
+                timeout=10.0,
+                first_block=first_block,
+            )
+        whole = sum(layer.numel() * layer.element_size() for layer in layers)
+        tail_bytes = whole * (NUM_BLOCKS - 3) // NUM_BLOCKS
+        kv_server.publish("broken", layers)
+        with pytest.raises(KVTransferError, match="mismatch"):
+            client.fetch("127.0.0.1", kv_server.port, "broken", layers[:1], timeout=10.0)
+        for name in ("hold-2", "hold-0", "old", "released"):
+            kv_server.publish(name, [])  # read in place: nothing staged
+        hold = client.hold("127.0.0.1", kv_server.port, "hold-2", timeout=10.0)
+        hold.wait()
+        hold.release(2)
+        hold = client.hold("127.0.0.1", kv_server.port, "hold-0", timeout=10.0)
+        hold.wait()
+        hold.release(0)  # the decode needed none of the blocks
+        held_confirm(kv_server.port, "old", layer=0)
+        client.release("127.0.0.1", kv_server.port, "released", timeout=10.0)
+        assert served.calls == [
+            ("fetch-0", whole, NUM_BLOCKS),
+            ("fetch-3", tail_bytes, NUM_BLOCKS - 3),
+            ("hold-2", None, 2),
+            ("hold-0", None, 0),
+            ("old", None, None),
+            ("released", 0, 0),
+        ]
+        assert ("broken", False) in done.calls
+    finally:
+        kv_server.close()
+
+
+def test_the_control_plane_counts_the_bytes_served(client):
+    """tcp: the bytes a fetch from block k sent; in place: the blocks read times a block's
+    bytes (all of the lease's blocks for a CONFIRM that does not say)."""
+    control = ControlPlane(KVTransferConfig(role="prefill"))
+    try:
+        layers = make_layers(seed=6, num_blocks=NUM_BLOCKS)
+        control.publish("tcp", StagedTransfer(layers), NUM_BLOCKS, {})
+        want = tail(layers, 2)
+        received = [torch.empty_like(layer) for layer in want]
+        client.fetch("127.0.0.1", control.port, "tcp", received, timeout=10.0, first_block=2)
+        tail_bytes = sum(layer.numel() * layer.element_size() for layer in want)
+        stats = control.stats()
+        assert (stats["kv_bytes_served"], stats["kv_blocks_served"]) == (tail_bytes, 3)
+        assert control.stats()["kv_bytes_served"] == 0  # what happened since the last call
+
+        for name in ("said", "unsaid"):
+            control.publish(name, StagedTransfer([]), NUM_BLOCKS, {}, block_bytes=1000)
+            control.make_transferable(name)
+        hold = client.hold("127.0.0.1", control.port, "said", timeout=10.0)
+        hold.wait()
+        hold.release(3)
+        held_confirm(control.port, "unsaid", layer=0)
+        stats = control.stats()
+        assert (stats["kv_bytes_served"], stats["kv_blocks_served"]) == (
+            3000 + NUM_BLOCKS * 1000,
+            3 + NUM_BLOCKS,
+        )  # counted before DONE went out
+    finally:
+        control.close()
 
 
 # ---- the tcp data plane ----------------------------------------------------------------------
@@ -299,4 +420,53 @@ def test_a_second_turn_moves_only_the_blocks_the_decode_lacks(workers):
     assert (first_blocks, second_blocks) == (3, 5)
     assert first_received == 3  # no hit: every block
     assert second_received == 5 - 2
+    assert_nothing_held(workers["prefill"], workers["decode"])
+
+
+@pytest.fixture(scope="module")
+def router(workers, tmp_path_factory) -> Iterator[WorkerProcess]:
+    start = functools.partial(
+        start_tandem,
+        tmp_path_factory.mktemp("partial-router"),
+        "router",
+        "--prefill",
+        workers["prefill"].url,
+        "--decode",
+        workers["decode"].url,
+    )
+    with running_processes({"router": start}) as started:
+        yield started["router"]
+
+
+def checkpoint_block_bytes(checkpoint: Path) -> int:
+    """One block of every layer's keys and values, from the checkpoint's config (float32)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim
+    return per_token * BLOCK_SIZE * 4
+
+
+def test_the_prefill_worker_serves_a_second_turn_only_the_blocks_the_decode_lacks(
+    workers, router, tiny_checkpoints
+):
+    """Through the router (the second turn streamed: the handoff flow), the prefill worker's
+    tandem_kv_transfer_bytes_served grows by the blocks each turn's decode leg lacked times a
+    block's bytes: every block of the first turn, then the blocks past the decode's prefix."""
+    block_bytes = checkpoint_block_bytes(tiny_checkpoints[CHECKPOINT])
+    served = "tandem_kv_transfer_bytes_served_total"
+    first_prompt = token_prompt(21, 100, *VOCAB)  # 6 full blocks and 4 tokens
+    with httpx.Client() as http:
+        body = {"prompt": first_prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        before = metric(workers["prefill"], served)
+        first = run_direct(http, router.url, "/v1/completions", body)
+        assert first == run_direct(http, workers["both"].url, "/v1/completions", body)
+        wait_for_value(workers["prefill"], served, before + 7 * block_bytes, timeout=10.0)
+        # the decode computed tokens 0..106 of the first turn: 6 full blocks in its prefix
+        # cache; the second turn's 118 tokens are 8 blocks, of which it lacks 2
+        second_prompt = first_prompt + first.token_ids + token_prompt(22, 10, *VOCAB)
+        body = dict(body, prompt=second_prompt, stream=True)
+        second = run_direct(http, router.url, "/v1/completions", body)
+        assert second == run_direct(http, workers["both"].url, "/v1/completions", body)
+        assert len(second.token_ids) == MAX_TOKENS
+        wait_for_value(workers["prefill"], served, before + 9 * block_bytes, timeout=10.0)
     assert_nothing_held(workers["prefill"], workers["decode"])

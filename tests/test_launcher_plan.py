@@ -55,8 +55,10 @@ def test_a_tensor_parallel_prefill_and_two_decodes_take_four_gpus_without_overla
     assert [flag(plan.argv, "--device") for plan in workers] == ["cuda:0", "cuda:2", "cuda:3"]
     assert flag(workers[0].argv, "--tensor-parallel-size") == "2"
     assert "--tensor-parallel-size" not in workers[1].argv  # the worker's default, 1
-    for plan in workers:  # auto is tcp: a tensor-parallel worker moves KV over nothing else
-        assert flag(plan.argv, "--kv-transport") == "tcp", plan.name
+    for plan in workers:  # auto is cuda-ipc on GPUs, tensor-parallel workers or not
+        assert flag(plan.argv, "--kv-transport") == "cuda-ipc", plan.name
+    on_cpus = plan_processes(parse_cluster(yaml.safe_load(MIXED)), "cpu", num_gpus=0, python="py")
+    assert {flag(plan.argv, "--kv-transport") for plan in on_cpus[:-1]} == {"tcp"}
 
 
 def test_pd_servers_take_both_engines_ranks():
@@ -68,7 +70,7 @@ def test_pd_servers_take_both_engines_ranks():
     assert gpus_of(both.argv) == [0]
     devices = [(flag(p.argv, "--device"), flag(p.argv, "--decode-device")) for p in (first, second)]
     assert devices == [("cuda:1", "cuda:3"), ("cuda:5", "cuda:7")]
-    assert flag(first.argv, "--kv-transport") == "tcp"  # not the pd server's cuda-ipc default
+    assert "--kv-transport" not in first.argv  # the pd server's default (cuda-ipc) moves it
     assert "--kv-transport" not in both.argv
 
 
@@ -118,19 +120,6 @@ def test_the_sizes_come_per_role_from_the_file_and_the_flags():
             "roles.prefill.engine.tensor_parallel_size",
         ),
         (
-            MIXED.replace("kv_transport: auto", "kv_transport: cuda-ipc"),
-            "roles.prefill.engine.kv_transport cuda-ipc cannot move the KV of a tensor-parallel "
-            "worker (tensor_parallel_size 2); use tcp",
-        ),
-        (
-            MIXED.replace("kv_transport: auto", "kv_transport: nixl"),
-            "kv_transport nixl cannot move the KV of a tensor-parallel worker",
-        ),
-        (
-            "roles: {pd: {count: 1, engine: {tensor_parallel_size: 2, kv_transport: cuda-ipc}}}",
-            "roles.pd.engine.kv_transport cuda-ipc cannot move",
-        ),
-        (
             "roles: {both: {count: 1, engine: {extra_args: [-tp, '2']}}}",
             "roles.both.engine.extra_args holds -tp; give the size as "
             "roles.both.engine.tensor_parallel_size",
@@ -143,6 +132,19 @@ def test_tensor_parallel_clusters_that_cannot_work_are_refused(text, expected):
     message = str(refusal.value)
     assert expected in message
     assert "\n" not in message and message.endswith(".")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        MIXED.replace("kv_transport: auto", "kv_transport: cuda-ipc"),
+        MIXED.replace("kv_transport: auto", "kv_transport: nixl"),
+        MIXED.replace("kv_transport: auto", "kv_transport: mooncake"),
+        "roles: {pd: {count: 1, engine: {tensor_parallel_size: 2, kv_transport: cuda-ipc}}}",
+    ],
+)
+def test_tensor_parallel_workers_take_every_kv_transport(text):
+    parse_cluster(yaml.safe_load(text), "cluster.yaml")  # each rank reads its own KV heads
 
 
 def test_one_gpu_workers_with_kv_over_cuda_ipc_stay_as_they_were():

@@ -115,8 +115,9 @@ def test_the_kv_transport_follows_where_the_workers_landed():
     assert kv_transport_on_ray(spec, "cuda", [a, b, host("node-2", (1,))]) == "tcp"
     assert kv_transport_on_ray(spec, "cpu", [a, b, b]) == "tcp"
     assert kv_transport_on_ray(spec, "cpu", [a, a, a]) == "tcp"
-    tensor_parallel = parse_cluster(two_roles({}, {"tensor_parallel_size": 2}))
-    assert kv_transport_on_ray(tensor_parallel, "cuda", [a, a, a]) == "tcp"
+    tensor_parallel = parse_cluster(two_roles({}, {"tensor_parallel_size": 2}))  # as any other
+    assert kv_transport_on_ray(tensor_parallel, "cuda", [a, a, a]) == "cuda-ipc"
+    assert kv_transport_on_ray(tensor_parallel, "cuda", [a, b, b]) == "nixl"
 
     # `auto` becomes the pick in every worker's command line; a transport the file names stays
     for transport in ("nixl", "cuda-ipc"):

@@ -173,8 +173,9 @@ def add_engine_arguments(parser: argparse._ActionsContainer) -> None:
         help="split the model over N ranks, one process each (on CUDA, N GPUs from --device "
         "on; on the CPU, gloo): attention heads, MLP and vocabulary split, KV heads split or "
         "replicated when fewer than N. N must divide the attention heads, and divide or be a "
-        "multiple of the KV heads. In PD (roles prefill, decode, pd, auto) KV moves over "
-        "--kv-transport tcp only, and a prefill and a decode of any two such sizes pair",
+        "multiple of the KV heads. In PD (roles prefill, decode, pd, auto) a prefill and a decode "
+        "of any two such sizes pair, over any --kv-transport (tcp through rank 0; cuda-ipc, "
+        "nixl and mooncake rank by rank)",
     )
     parallel.add_argument(
         "--enable-expert-parallel",

@@ -114,12 +114,12 @@ class MultiprocExecutor(Executor):
     def initialize_kv_cache(
         self, kv_spec: KVCacheSpec, connector: KVConnectorWorker, max_model_len: int
     ) -> None:
-        kv_transfer = hasattr(connector, "attach_ranks")  # a PD role's connector
-        if kv_transfer:
+        kv_transfer = None
+        if hasattr(connector, "attach_ranks"):  # a PD role's connector
             from tandem.kv.connector.ranks import HeadRelay, RankLayout
 
             layout = RankLayout.of(self.rank.source.config.num_kv_heads, self.size)
-            connector.attach_ranks(HeadRelay(self.tp, layout))
+            kv_transfer = connector.attach_ranks(HeadRelay(self.tp, layout))
         self._send(InitializeKVCache(kv_spec.num_blocks, max_model_len, kv_transfer))
         self.rank.initialize_kv_cache(kv_spec.num_blocks, connector, max_model_len)
         self._wait_replies("allocate its KV cache")

@@ -26,7 +26,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput, TokenLogprobs
 from tandem.executor.runner import KVCacheSpec, ModelRunner, plan_kv_cache
 from tandem.executor.sampler import Sampler
-from tandem.kv.connector.base import KVConnectorWorker
+from tandem.kv.connector.base import KVConnectorWorker, RankKVTransfer
 from tandem.models.loader import ModelSource, load_model
 
 
@@ -37,7 +37,7 @@ class PlanKVCache(msgspec.Struct, tag=True):
 class InitializeKVCache(msgspec.Struct, tag=True):
     num_blocks: int  # the fewest any rank has room for
     max_model_len: int
-    kv_transfer: bool = False  # a PD role: the rank's KV shard moves through rank 0
+    kv_transfer: RankKVTransfer | None = None  # a PD role: how the rank's KV shard moves
 
 
 class ExecuteModel(msgspec.Struct, tag=True):

@@ -34,7 +34,7 @@ from tandem.executor.rank import (
     Shutdown,
     rank_device,
 )
-from tandem.kv.connector.base import KVConnectorWorker, NoKVConnectorWorker
+from tandem.kv.connector.base import KVConnectorWorker, NoKVConnectorWorker, RankKVTransfer
 from tandem.lifetime import die_with_parent
 from tandem.models.loader import ModelSource
 
@@ -104,8 +104,8 @@ def serve(inputs: zmq.Socket, model_rank: Rank, reply) -> None:
             case InitializeKVCache(num_blocks, max_model_len, kv_transfer):
                 try:
                     connector = NoKVConnectorWorker()
-                    if kv_transfer:
-                        connector = shard_connector(model_rank)
+                    if kv_transfer is not None:
+                        connector = shard_connector(model_rank, kv_transfer)
                     model_rank.initialize_kv_cache(num_blocks, connector, max_model_len)
                     reply()
                 except Exception as exc:
@@ -114,13 +114,13 @@ def serve(inputs: zmq.Socket, model_rank: Rank, reply) -> None:
                 return
 
 
-def shard_connector(model_rank: Rank) -> KVConnectorWorker:
-    """A PD role's worker side on this rank: its part in rank 0's relay of the KV shards."""
-    from tandem.kv.connector.ranks import HeadRelay, RankLayout, ShardKVConnectorWorker
+def shard_connector(model_rank: Rank, kv_transfer: RankKVTransfer) -> KVConnectorWorker:
+    """A PD role's worker side on this rank: its part in rank 0's relay of the KV shards (tcp),
+    or its own data plane (the planes that read in place)."""
+    from tandem.kv.connector.rank_reads import other_rank_connector
 
-    tp = model_rank.tp
-    layout = RankLayout.of(model_rank.source.config.num_kv_heads, tp.size)
-    return ShardKVConnectorWorker(HeadRelay(tp, layout))
+    num_kv_heads = model_rank.source.config.num_kv_heads
+    return other_rank_connector(model_rank.tp, num_kv_heads, kv_transfer, model_rank.device)
 
 
 def main() -> None:

@@ -38,8 +38,25 @@ MAX_HANDLE_LENGTH = 16384
 MAX_TP_SIZE = 64
 
 ShortString = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
+HandleString = Annotated[str, Meta(min_length=1, max_length=MAX_HANDLE_LENGTH)]
 NonNegative = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
+# the fields that reach a source's cache, by transport (a plane that reads it in place)
+HANDLE_FIELDS = {
+    "cuda-ipc": "kv_ipc_handle",
+    "nixl": "kv_memory_handle",
+    "mooncake": "kv_memory_handle",
+}
+
+
+class RankExport(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One rank of a tensor-parallel prefill whose cache is read in place: the model's KV heads
+    [kv_head_start, kv_head_start + num_kv_heads) it holds, and its data plane's export."""
+
+    kv_head_start: NonNegative
+    num_kv_heads: Positive
+    kv_ipc_handle: HandleString | None = None
+    kv_memory_handle: HandleString | None = None
 
 
 class KVTransferParams(msgspec.Struct, frozen=True):
@@ -59,9 +76,15 @@ class KVTransferParams(msgspec.Struct, frozen=True):
     num_prompt_tokens: Positive | None = None
     block_size: Positive | None = None
     kv_layout: ShortString | None = None
-    kv_ipc_handle: Annotated[str, Meta(min_length=1, max_length=MAX_HANDLE_LENGTH)] | None = None
+    kv_ipc_handle: HandleString | None = None
     # tandem's own: where nixl and mooncake read the prefill's cache (kv/data/registered.py)
-    kv_memory_handle: Annotated[str, Meta(min_length=1, max_length=MAX_HANDLE_LENGTH)] | None = None
+    kv_memory_handle: HandleString | None = None
+    # tandem's own: a tensor-parallel prefill's ranks, one each, for the planes that read in
+    # place (each decode rank reads its heads from the ranks holding them); the handle fields
+    # above are then left out
+    kv_rank_exports: (
+        Annotated[list[RankExport], Meta(min_length=1, max_length=MAX_TP_SIZE)] | None
+    ) = None
     # tandem's own (no vLLM name): the client has the first token already, from the prefill's
     # answer, so the decode leg's stream starts after it (docs/protocol.md, "The first token")
     first_token_sent: bool | None = None
@@ -73,7 +96,8 @@ class KVTransferParams(msgspec.Struct, frozen=True):
 
 
 # What a decode leg in vLLM's flow needs from the prefill answer; a handoff leg gets it from the
-# announcement. cuda-ipc also needs kv_ipc_handle; nixl and mooncake kv_memory_handle.
+# announcement. cuda-ipc also needs kv_ipc_handle; nixl and mooncake kv_memory_handle (or, from a
+# tensor-parallel prefill, kv_rank_exports that carry them).
 DECODE_FIELDS = (
     "first_token_id",
     "remote_engine_id",
@@ -116,7 +140,9 @@ def check_kv_transfer_params(
 def to_wire(params: KVTransferParams) -> dict[str, Any]:
     """The params as JSON holds them: the fields given, nulls left out."""
     return {
-        name: value for name, value in msgspec.structs.asdict(params).items() if value is not None
+        name: msgspec.to_builtins(value)
+        for name, value in msgspec.structs.asdict(params).items()
+        if value is not None
     }
 
 
@@ -154,10 +180,8 @@ def check_shape(params: KVTransferParams, worker: WorkerKV) -> None:
     needed = list(HANDOFF_FIELDS)
     if not params.is_handoff:
         needed += DECODE_FIELDS
-        if worker.transport == "cuda-ipc":
-            needed.append("kv_ipc_handle")
-        if worker.transport in ("nixl", "mooncake"):
-            needed.append("kv_memory_handle")
+        if worker.transport in HANDLE_FIELDS and params.kv_rank_exports is None:
+            needed.append(HANDLE_FIELDS[worker.transport])
     for field in needed:
         if getattr(params, field) is None:
             message = "a decode leg needs it: pass on the prefill answer's kv_transfer_params"
@@ -195,6 +219,7 @@ def check_against(params: KVTransferParams, worker: WorkerKV, num_prompt_tokens:
             "same --dtype"
         )
         raise KVParamsError("kv_layout", message)
+    check_rank_exports(params, worker)
     num_blocks = -(-num_prompt_tokens // worker.block_size)
     if params.remote_block_ids is not None and len(params.remote_block_ids) != num_blocks:
         message = (
@@ -202,6 +227,25 @@ def check_against(params: KVTransferParams, worker: WorkerKV, num_prompt_tokens:
             f"fills {num_blocks} blocks of {worker.block_size}"
         )
         raise KVParamsError("remote_block_ids", message)
+
+
+def check_rank_exports(params: KVTransferParams, worker: WorkerKV) -> None:
+    """A tensor-parallel prefill's ranks: one export per rank, each carrying the handle this
+    worker's transport reads with (their head ranges are held to the layout at the load)."""
+    exports = params.kv_rank_exports
+    if exports is None:
+        return
+    if len(exports) != (params.tp_size or 1):
+        message = f"{len(exports)} ranks, but tp_size is {params.tp_size or 1}"
+        raise KVParamsError("kv_rank_exports", message)
+    field = HANDLE_FIELDS.get(worker.transport or "")
+    if field is None:
+        message = f"the {worker.transport} transport does not read a prefill's ranks in place"
+        raise KVParamsError("kv_rank_exports", message)
+    for rank, export in enumerate(exports):
+        if getattr(export, field) is None:
+            message = "a rank's export needs it: pass on the prefill answer's kv_transfer_params"
+            raise KVParamsError(f"kv_rank_exports[{rank}].{field}", message)
 
 
 class HandedOutLeases:

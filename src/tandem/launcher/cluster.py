@@ -17,9 +17,9 @@
 Unknown keys are refused, and so is a cluster that cannot work, each in one sentence naming
 the problem (`ClusterError`; the list: docs/router.md, "The cluster file"): roles of different
 models, or KV layouts, or transports; prefill without decode workers or the reverse; overlapping
-port ranges; a tensor-parallel worker moving KV over anything but tcp, or sized in extra_args;
-a secret in the file (it comes from `tandem serve`'s flags or environment). A prefill or auto
-role without a kv_transport takes the decode role's."""
+port ranges; a tensor-parallel worker sized in extra_args; a secret in the file (it comes from
+`tandem serve`'s flags or environment). A prefill or auto role without a kv_transport takes
+the decode role's."""
 
 from __future__ import annotations
 
@@ -193,12 +193,11 @@ def _check_same_kv(spec: ClusterSpec, role: str, other: str) -> None:
 
 
 TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp")
-KV_ROLES = ("prefill", "decode", "pd", "auto")  # the roles whose workers move KV
 
 
 def _check_tensor_parallel(spec: ClusterSpec, role: str) -> None:
-    """The size is a key that placement reads, and a tensor-parallel worker moves KV over tcp
-    only (its rank 0 relays every rank's heads; the worker refuses the other transports)."""
+    """The size is a key that placement reads (every transport moves a tensor-parallel
+    worker's KV: tcp through its rank 0, the others rank by rank)."""
     engine = spec.engine_of(role)
     for arg in engine.extra_args:
         if arg.split("=", 1)[0] in TENSOR_PARALLEL_FLAGS:
@@ -206,13 +205,6 @@ def _check_tensor_parallel(spec: ClusterSpec, role: str) -> None:
                 f"roles.{role}.engine.extra_args holds {arg}; give the size as "
                 f"roles.{role}.engine.tensor_parallel_size, by which tandem serve places GPUs."
             )
-    size = engine.tensor_parallel_size or 1
-    if size > 1 and role in KV_ROLES and engine.kv_transport not in (None, "auto", "tcp"):
-        raise ClusterError(
-            f"roles.{role}.engine.kv_transport {engine.kv_transport} cannot move the KV of a "
-            f"tensor-parallel worker (tensor_parallel_size {size}); use tcp, or auto, which "
-            "picks tcp for such a cluster."
-        )
 
 
 def check_cluster(spec: ClusterSpec) -> ClusterSpec:

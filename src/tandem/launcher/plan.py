@@ -7,11 +7,11 @@ server twice that (`--device cuda:i --decode-device cuda:i+N`). Tensor-parallel 
 GPU, and a cluster with one that needs more GPUs than the host has is refused; a cluster of
 one-GPU workers only takes the GPUs round (mod their number), as a prefill and a decode sharing
 one GPU do. Every worker sees the same GPUs under the same indices, which CUDA IPC between them
-needs (so no CUDA_VISIBLE_DEVICES per worker). The KV transport `auto` becomes tcp where a
-tensor-parallel worker moves KV (the only transport it can), else cuda-ipc on GPUs (all workers
-share this host), else tcp. The router gets pd servers as colocated (`--worker`) workers.
-`check_model_splits` refuses, before anything starts, a tensor_parallel_size the model cannot be
-split over, as the worker would refuse it at its start.
+needs (so no CUDA_VISIBLE_DEVICES per worker). The KV transport `auto` becomes cuda-ipc on GPUs
+(all workers share this host), else tcp, whatever the workers' tensor-parallel sizes. The router
+gets pd servers as colocated (`--worker`) workers. `check_model_splits` refuses, before anything
+starts, a tensor_parallel_size the model cannot be split over, as the worker would refuse it at
+its start.
 
 Secrets (the API key, the cluster token) never appear on a command line, where any user of the
 host can read them: every child gets them in its environment (`child_environment`), and reads
@@ -121,17 +121,8 @@ def check_model_splits(spec: ClusterSpec) -> None:
 
 
 def kv_transport_of(spec: ClusterSpec, role: str, on_gpus: bool) -> str | None:
-    """The role's --kv-transport, `auto` resolved (and a pd server's unset one when its engines
-    are tensor-parallel, whose own default would be cuda-ipc on GPUs)."""
+    """The role's --kv-transport, `auto` resolved."""
     transport = spec.engine_of(role).kv_transport
-    partners = {"pd": ("pd",), "both": ()}.get(role, ("prefill", "decode", "auto"))
-    tensor_parallel = any(
-        tensor_parallel_size(spec, partner) > 1
-        for partner in used_roles(spec)
-        if partner in partners
-    )
-    if tensor_parallel and (transport == "auto" or (transport is None and role == "pd")):
-        return "tcp"
     return auto_transport(on_gpus) if transport == "auto" else transport
 
 

@@ -9,7 +9,7 @@ bundle (`ray_processes.ProcessHost`), on its node's address; workers register wi
 transport `auto` is picked by where the workers landed, one for the whole cluster since any
 prefill pairs with any decode: cuda-ipc when they share one node's GPUs, else nixl when every
 worker's node has it, else tcp (always tcp on CPUs, where nixl over UCX's TCP took twice tcp's
-time, and for tensor-parallel workers, which move KV over tcp only).
+time), whatever the workers' tensor-parallel sizes.
 
 Supervision (`ray_processes.RaySupervisor`) as on one host: `ready at URL/v1` once every process
 is healthy and the router's pool holds the workers; a process that exits, or whose actor dies
@@ -34,8 +34,6 @@ from tandem.launcher.plan import (
     ProcessPlan,
     gpus_per_worker,
     plan_processes,
-    tensor_parallel_size,
-    used_roles,
 )
 
 RAY_MISSING = "tandem serve: --ray needs Ray, which is not installed: pip install 'tandem[ray]'"
@@ -77,10 +75,6 @@ def bundle_of(spec: ClusterSpec, plan: ProcessPlan, device: str) -> dict[str, fl
 
 def kv_transport_on_ray(spec: ClusterSpec, device: str, workers: list[HostInfo]) -> str:
     """What `auto` becomes, by where the workers that hand KV to each other landed."""
-    if any(
-        tensor_parallel_size(spec, role) > 1 for role in used_roles(spec) if role in KV_PAIR_ROLES
-    ):
-        return "tcp"
     if device == "cuda" and len({host.node_id for host in workers}) == 1:
         return "cuda-ipc"
     if device == "cuda" and all(host.has_nixl for host in workers):

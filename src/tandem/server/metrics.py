@@ -143,6 +143,18 @@ class WorkerMetrics:
             labels + ["kind"],
             registry=self.registry,
         )
+        self.kv_bytes_served = Counter(
+            "tandem_kv_transfer_bytes_served",
+            "KV bytes decoders got of this worker's transfers (a partial transfer's blocks only)",
+            labels,
+            registry=self.registry,
+        )
+        self.kv_blocks_served = Counter(
+            "tandem_kv_transfer_blocks_served",
+            "KV blocks decoders got of this worker's transfers (a partial transfer's only)",
+            labels,
+            registry=self.registry,
+        )
         self.load: dict[str, int] = {}  # the latest of LOAD_STATS, for a router (/health)
         self.vllm_names = CollectorRegistry()
         self.vllm_names.register(VllmNames(self.registry, model_name))
@@ -160,6 +172,8 @@ class WorkerMetrics:
             self.kv_transfer_latency.labels(self.model_name).observe(seconds)
         for kind, count in stats.get("kv_transfer_failures", {}).items():
             self.kv_failures.labels(self.model_name, kind).inc(count)
+        self.kv_bytes_served.labels(self.model_name).inc(stats.get("kv_bytes_served", 0))
+        self.kv_blocks_served.labels(self.model_name).inc(stats.get("kv_blocks_served", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry) + generate_latest(self.vllm_names)

@@ -19,18 +19,19 @@ def make_connectors(config: KVTransferConfig) -> ConnectorFactory:
 
     def build(kv_spec, device: torch.device) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
         from tandem.kv.connector.metadata import TransferShape, kv_layout
+        from tandem.kv.connector.rank_reads import ReadyReads
         from tandem.kv.connector.ranks import ReadyInstalls
         from tandem.kv.connector.scheduler import PDConnectorScheduler
         from tandem.kv.connector.worker import PDConnectorWorker
         from tandem.kv.control.plane import ControlPlane
 
         control = ControlPlane(config)
-        shape, installs = TransferShape(kv_layout(kv_spec)), ReadyInstalls()
+        shape, installs, reads = TransferShape(kv_layout(kv_spec)), ReadyInstalls(), ReadyReads()
         try:
-            worker = PDConnectorWorker(config, kv_spec, device, control, shape, installs)
+            worker = PDConnectorWorker(config, kv_spec, device, control, shape, installs, reads)
         except BaseException:
             control.close()
             raise
-        return PDConnectorScheduler(config, kv_spec, control, shape, installs), worker
+        return PDConnectorScheduler(config, kv_spec, control, shape, installs, reads), worker
 
     return build

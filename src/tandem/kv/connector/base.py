@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from tandem.kv.params import KVTransferParams  # the engine's form of kv_transfer_params
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ __all__ = [
     "KVTransferParams",
     "NoKVConnectorScheduler",
     "NoKVConnectorWorker",
+    "RankKVTransfer",
     "RequestView",
 ]
 
@@ -148,6 +151,17 @@ class NoKVConnectorScheduler(KVConnectorScheduler):
 
 class NoKVConnectorWorker(KVConnectorWorker):
     """A colocated engine's worker side."""
+
+
+class RankKVTransfer(msgspec.Struct):
+    """What a tensor-parallel rank other than 0 needs to build its worker side (rank 0 sends it
+    with InitializeKVCache): the engine's KV transport (tcp: the rank's shards move through
+    rank 0; a plane that reads in place: the rank registers its cache with a plane of its own),
+    the host peers reach it at, and the plane's transfer timeout."""
+
+    transport: str
+    host: str
+    transfer_timeout_s: float
 
 
 ConnectorFactory = Callable[[Any, "torch.device"], tuple[KVConnectorScheduler, KVConnectorWorker]]

@@ -38,6 +38,18 @@ class InstallSpec:
 
 
 @dataclass
+class RankReadSpec:
+    """Tensor parallelism over a plane that reads in place: rank 0 holds the prefill's lease;
+    every rank reads its KV heads of the blocks from the prefill ranks that hold them
+    (kv/connector/rank_reads.py)."""
+
+    request_id: str
+    remote: KVTransferParams  # the prefill's params (its ranks' exports, its blocks)
+    local_block_ids: list[int]
+    first_block: int
+
+
+@dataclass
 class KVConnectorMetadata:
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
@@ -45,6 +57,7 @@ class KVConnectorMetadata:
     # read not yet begun is not begun (their blocks stay until the load's report)
     abandoned: list[str] = field(default_factory=list)
     installs: list[InstallSpec] = field(default_factory=list)
+    reads: list[RankReadSpec] = field(default_factory=list)
 
 
 @dataclass

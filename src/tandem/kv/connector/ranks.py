@@ -1,6 +1,7 @@
-"""KV transfer for a tensor-parallel engine: rank 0 relays its ranks' KV shards over the
-tensor-parallel group (gloo on the CPU, NCCL on CUDA), so the engine keeps one KV port, one
-control plane and one lease per transfer, and kv_transfer_params keep vLLM's fields.
+"""KV transfer for a tensor-parallel engine over tcp: rank 0 relays its ranks' KV shards over
+the tensor-parallel group (gloo on the CPU, NCCL on CUDA), so the engine keeps one KV port, one
+control plane and one lease per transfer, and kv_transfer_params keep vLLM's fields. (The planes
+that read in place read rank by rank instead: kv/connector/rank_reads.py.)
 
     prefill: each layer's save gathers every rank's KV-head shard of the prompt's blocks on
              rank 0 (`gather_heads`), which stages the whole layer (all the model's KV heads)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from tandem.kv.config import KVTransferConfig
 from tandem.kv.connector.base import KVConnectorScheduler, RequestView
 from tandem.kv.connector.metadata import KVConnectorMetadata, LoadSpec, SaveSpec, TransferShape
+from tandem.kv.connector.rank_reads import ReadyReads
 from tandem.kv.connector.ranks import ReadyInstalls
 from tandem.kv.control.plane import ControlPlane
 from tandem.kv.params import KVTransferParams, to_wire
@@ -40,12 +41,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
         control: ControlPlane,
         shape: TransferShape,
         installs: ReadyInstalls,
+        reads: ReadyReads,
     ) -> None:
         self.config = config
         self.recompute_on_failure = config.load_failure_policy == "recompute"
         self.block_size = kv_spec.block_size
         self.shape = shape
         self.installs = installs
+        self.reads = reads
         self.control = control
         self.remote_decode: set[str] = set()  # prefill side: running requests that serve KV
         self.load_attempted: set[str] = set()
@@ -98,7 +101,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         loads, self.new_loads = self.new_loads, []
         self.loading.update(spec.request_id for spec in loads)
         abandoned, self.abandoned = self.abandoned, []
-        return KVConnectorMetadata(saves, loads, abandoned, self.installs.take_ready())
+        installs, reads = self.installs.take_ready(), self.reads.take_ready()
+        return KVConnectorMetadata(saves, loads, abandoned, installs, reads)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.loading.difference_update(output.finished_recving)

@@ -9,8 +9,11 @@ place then holds the prefill's lease while it reads (cuda-ipc: the engine thread
 at the start of its next step) and confirms once the copy is done, on a confirmation thread;
 tcp's read confirms itself. Every load is reported once, in get_finished: finished_recving or
 failed_recving (with the failure's kind), and a handoff's first token. On rank 0 of a
-tensor-parallel engine (`attach_ranks`), saves and reads carry every rank's KV heads and a read
-is reported once every rank has installed its heads of it (`ranks`).
+tensor-parallel engine (`attach_ranks`), over tcp, saves and reads carry every rank's KV heads
+and a read is reported once every rank has installed its heads of it (`ranks`); over a plane
+that reads in place, every rank reads its own heads and a read is reported once every rank's
+reads have ended (`rank_reads`). A plane that reads in place reads a tensor-parallel prefill's
+ranks (kv_rank_exports) on any engine (`start_rank_reads`).
 Invariant: no thread of this side ever waits on the network while it holds the engine thread.
 """
 
@@ -27,14 +30,16 @@ import torch
 
 from tandem.engine.outputs import HandedOffToken, KVConnectorOutput
 from tandem.kv.config import KVTransferConfig
-from tandem.kv.connector.base import KVConnectorWorker
+from tandem.kv.connector.base import KVConnectorWorker, RankKVTransfer
 from tandem.kv.connector.metadata import (
     InstallSpec,
     KVConnectorMetadata,
     LoadSpec,
+    RankReadSpec,
     TransferShape,
     kv_layout,
 )
+from tandem.kv.connector.rank_reads import RankReads, ReadyReads, load_failure, start_rank_reads
 from tandem.kv.connector.ranks import HeadRelay, ReadyInstalls, install_shards
 from tandem.kv.control.client import Hold
 from tandem.kv.control.plane import ControlPlane
@@ -49,16 +54,6 @@ LOAD_THREADS = 4
 # Confirmations get threads of their own: on the load threads they could queue behind handoffs
 # that wait for prefills, which may themselves wait for the blocks those confirmations free.
 CONFIRM_THREADS = 4
-
-
-def load_failure(request_id: str, exc: Exception) -> str:
-    """The failure kind a load reports for `exc` (the transfer's kind, or "error" with its
-    traceback logged: not the transfer's)."""
-    if isinstance(exc, KVTransferError):
-        logger.warning("KV load of %s failed: %s", request_id, exc)
-        return exc.kind
-    logger.error("KV load of %s failed", request_id, exc_info=exc)
-    return "error"
 
 
 def announced(message: dict[str, Any]) -> tuple[HandedOffToken, KVTransferParams | None]:
@@ -87,6 +82,7 @@ class PDConnectorWorker(KVConnectorWorker):
         control: ControlPlane,
         shape: TransferShape,
         installs: ReadyInstalls,
+        reads: ReadyReads,
     ) -> None:
         self.config = config
         self.kv_spec = kv_spec
@@ -94,8 +90,10 @@ class PDConnectorWorker(KVConnectorWorker):
         self.shape = shape
         self.layers, self.kv_heads = (0, kv_spec.num_layers), (0, kv_spec.num_kv_heads)
         self.control = control
-        self.relay: HeadRelay | None = None  # several ranks: their shards move through rank 0
+        self.relay: HeadRelay | None = None  # several ranks over tcp: through rank 0
+        self.rank_reads: RankReads | None = None  # several ranks reading in place: each its own
         self.installs = installs
+        self.ready_reads = reads
         plane_class = data_plane_class(config.transport)
         self.plane = plane_class(
             device,
@@ -104,6 +102,7 @@ class PDConnectorWorker(KVConnectorWorker):
             lambda: control.wakeup(),
             advertised_host=config.host,
         )
+        self.exported: dict[str, Any] = {}  # what saves publish (register_kv_cache's)
         self.lock = threading.Lock()
         self.loading: set[str] = set()
         self.abandoned: set[str] = set()
@@ -123,19 +122,24 @@ class PDConnectorWorker(KVConnectorWorker):
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.plane.register_kv_cache(kv_cache)
+        self.exported = self.plane.export()
+        if self.rank_reads is not None:  # a collective: every rank registers alike
+            self.exported = {"kv_rank_exports": self.rank_reads.exchange()}
 
-    def attach_ranks(self, relay: HeadRelay) -> None:
-        """A tensor-parallel engine's rank 0: transfers carry every rank's KV heads."""
-        if self.plane.reads_in_place:
-            raise ValueError(
-                f"tensor parallelism moves KV over tcp, not {self.config.transport}: start "
-                "this worker with --kv-transport tcp or --tensor-parallel-size 1"
-            )
-        self.relay = relay
-        self.plane.relay = relay
-        self.kv_heads = (0, relay.layout.num_kv_heads)
+    def attach_ranks(self, relay: HeadRelay) -> RankKVTransfer:
+        """A tensor-parallel engine's rank 0: transfers carry every rank's KV heads, through
+        rank 0 (tcp) or read by each rank (a plane that reads in place); what the other ranks
+        build their side from."""
         self.shape.kv_layout = kv_layout(self.kv_spec, relay.layout.num_kv_heads)
         self.shape.tp_size = relay.layout.size
+        self.kv_heads = (0, relay.layout.num_kv_heads)
+        if self.plane.reads_in_place:
+            self.rank_reads = RankReads(relay.tp, relay.layout, self.plane)
+        else:
+            self.relay = relay
+            self.plane.relay = relay
+        config = self.config
+        return RankKVTransfer(config.transport, config.host, config.transfer_timeout_s)
 
     # -- saves -----------------------------------------------------------------------------------
 
@@ -145,8 +149,11 @@ class PDConnectorWorker(KVConnectorWorker):
         for spec in metadata.saves:
             if layer_index == 0:
                 staged = self.plane.stage(spec.request_id, spec.block_ids)
-                exported = self.plane.export()
-                self.control.publish(spec.request_id, staged, len(spec.block_ids), exported)
+                num_blocks = len(spec.block_ids)
+                block_bytes = None if staged.layers else self._model_block_bytes()
+                self.control.publish(
+                    spec.request_id, staged, num_blocks, self.exported, block_bytes
+                )
             self.plane.save_layer(spec.request_id, layer_index)
 
     def saves_between_layers(self, metadata: KVConnectorMetadata | None) -> bool:
@@ -161,6 +168,10 @@ class PDConnectorWorker(KVConnectorWorker):
             layers, installed = self.installs.take_pending(install.request_id)
             install_shards(self.relay, self.plane.kv_cache, install, layers)
             installed()
+        if self.rank_reads is not None:  # every rank starts its reads, then all poll them
+            self.rank_reads.start(metadata.reads)
+            for request_id, failure in self.rank_reads.poll():
+                self.ready_reads.ended(request_id, failure)
         with self.lock:
             for request_id in metadata.abandoned:
                 if request_id in self.loading:
@@ -201,12 +212,26 @@ class PDConnectorWorker(KVConnectorWorker):
                     self.control.record_seconds(time.monotonic() - started)
                 self._report(spec, remote, handed_off, num_bytes=None if abandoned else 0)
                 return
-            self.plane.start_read(
-                self._source(remote),
-                spec.local_block_ids,
-                spec.first_block,
-                lambda read: self._read_done(spec, remote, handed_off, hold, started, read),
-            )
+            if self.rank_reads is not None:  # every rank reads its heads, from the next step
+                read = RankReadSpec(spec.request_id, remote, spec.local_block_ids, spec.first_block)
+                self.ready_reads.add(
+                    read,
+                    lambda failure: self._rank_reads_ended(
+                        spec, remote, handed_off, hold, started, failure
+                    ),
+                )
+                self.control.wakeup()
+                return
+
+            def on_done(read: ReadHandle) -> None:
+                self._read_done(spec, remote, handed_off, hold, started, read)
+
+            local_ids, first_block = spec.local_block_ids, spec.first_block
+            if self.plane.reads_in_place:  # from every rank of the prefill that holds heads
+                num_kv_heads = self.kv_heads[1]
+                start_rank_reads(self.plane, remote, local_ids, first_block, num_kv_heads, on_done)
+            else:
+                self.plane.start_read(self._source(remote), local_ids, first_block, on_done)
         except Exception as exc:
             if hold is not None:
                 hold.abandon()
@@ -260,13 +285,42 @@ class PDConnectorWorker(KVConnectorWorker):
         else:
             self.confirmations.submit(self._confirm_read, spec, read, hold, seconds)
 
-    def _confirm_read(self, spec: LoadSpec, read: ReadHandle, hold: Hold, seconds: float) -> None:
-        """Confirmation thread: once the copy is done, record the transfer's time (until the
-        copy was queued, plus the copy on the device) and confirm: the prefill frees the blocks.
-        If that fails, the prefill's lease lets go of them when it expires."""
-        self.control.record_seconds(seconds + read.wait_copied())
+    def _rank_reads_ended(
+        self,
+        spec: LoadSpec,
+        remote: KVTransferParams,
+        handed_off: HandedOffToken | None,
+        hold: Hold,
+        started: float,
+        failure: str | None,
+    ) -> None:
+        """The engine thread: every rank's reads of a load have ended (and their copies), or
+        one rank's failed; report the load, and confirm it on a confirmation thread."""
+        if failure is not None:
+            logger.warning("KV load of %s failed on a rank (%s)", spec.request_id, failure)
+            hold.abandon()
+            self._report(spec, remote, handed_off, failure=failure)
+            return
+        num_bytes = len(spec.local_block_ids) * self._model_block_bytes()
+        self._report(spec, remote, handed_off, num_bytes=num_bytes)
+        seconds = time.monotonic() - started
+        self.confirmations.submit(self._confirm_read, spec, None, hold, seconds)
+
+    def _model_block_bytes(self) -> int:
+        """The bytes of one block of every layer and all the model's KV heads."""
+        cache = self.plane.kv_cache
+        per_head = cache[:, :, 0].numel() // cache.shape[4] * cache.element_size()
+        return per_head * self.kv_heads[1]
+
+    def _confirm_read(
+        self, spec: LoadSpec, read: ReadHandle | None, hold: Hold, seconds: float
+    ) -> None:
+        """Confirmation thread: once the copy is done (None: it is), record the transfer's time
+        (until the copy was queued, plus the copy on the device) and confirm: the prefill frees
+        the blocks. If that fails, the prefill's lease lets go of them when it expires."""
+        self.control.record_seconds(seconds + (0.0 if read is None else read.wait_copied()))
         try:
-            hold.release()
+            hold.release(len(spec.local_block_ids))
         except KVTransferError as exc:
             logger.warning("confirming the KV load of %s failed: %s", spec.request_id, exc)
 
@@ -276,7 +330,7 @@ class PDConnectorWorker(KVConnectorWorker):
             self.control.release_remote(remote)
             return
         try:
-            hold.release()
+            hold.release(0)
         except KVTransferError as exc:
             logger.warning("releasing %s failed: %s", remote.remote_request_id, exc)
 
@@ -288,8 +342,9 @@ class PDConnectorWorker(KVConnectorWorker):
         failure: str | None = None,
         num_bytes: int | None = None,
     ) -> None:
-        """A load has ended: get_finished reports it (a failure under its kind)."""
-        self.control.record_load(len(remote.remote_block_ids or ()), num_bytes, failure)
+        """A load has ended: get_finished reports it (a failure under its kind); it received
+        the blocks it lacked (local_block_ids), not those its prefix cache held."""
+        self.control.record_load(len(spec.local_block_ids), num_bytes, failure)
         with self.lock:
             self.loading.discard(spec.request_id)
             self.abandoned.discard(spec.request_id)

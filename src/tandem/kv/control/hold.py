@@ -24,6 +24,7 @@ from tandem.kv.control.wire import (
     HELD,
     Cancelled,
     ProtocolError,
+    confirm_layer,
     send_message,
 )
 from tandem.kv.errors import KVTransferError
@@ -101,9 +102,13 @@ class Hold:
         if self._connection is None:
             raise KVTransferError("aborted", f"{self._what} has ended")
 
-    def release(self) -> None:
+    def release(self, blocks_read: int | None = None) -> None:
+        """Confirm: the prefill may free the blocks. blocks_read (the blocks of each layer this
+        side read, none for a load it did not need) goes to the prefill's byte count; without
+        it the whole transfer counts as read."""
+
         def confirm(connection: socket.socket) -> None:
-            send_message(connection, CONFIRM)
+            send_message(connection, CONFIRM, layer=confirm_layer(blocks_read))
             self._client._await_done(connection, self._header, self._deadline)
 
         self.step(confirm, last=True)

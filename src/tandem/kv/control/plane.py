@@ -36,7 +36,8 @@ RELEASE_THREADS = 2
 class Lease:
     deadline: float
     num_blocks: int
-    num_bytes: int
+    num_bytes: int  # what is staged for it (none where the decode reads the blocks in place)
+    block_bytes: int  # one block of every layer
     exported: dict[str, Any] = field(default_factory=dict)  # the data plane's export()
     transferable: bool = False  # its request is done and its params went out
     held: bool = False  # a decode reads the blocks in place: it ends when let go
@@ -52,6 +53,7 @@ class ControlPlane:
             ("kv_bytes_sent", "kv_blocks_sent", "kv_bytes_received", "kv_blocks_received"), 0
         )
         self.new_transfer_seconds: list[float] = []
+        self.new_served = dict.fromkeys(("kv_bytes_served", "kv_blocks_served"), 0)
         self.new_failures: dict[str, int] = {}
         self.wakeup = lambda: None
         self.server = None
@@ -65,6 +67,7 @@ class ControlPlane:
                 config.port,
                 on_transfer_done=self._on_transfer_done,
                 on_transfer_held=self._on_transfer_held,
+                on_transfer_served=self._on_transfer_served,
                 cluster_token=config.cluster_token,
             )
             logger.info("KV server listening on %s:%d", config.host, self.server.port)
@@ -85,11 +88,19 @@ class ControlPlane:
     # -- leases (prefill side) -------------------------------------------------------------------
 
     def publish(
-        self, transfer_id: str, staged: StagedTransfer, num_blocks: int, exported: dict[str, Any]
+        self,
+        transfer_id: str,
+        staged: StagedTransfer,
+        num_blocks: int,
+        exported: dict[str, Any],
+        block_bytes: int | None = None,
     ) -> None:
-        lease = Lease(
-            time.monotonic() + self.config.lease_timeout_s, num_blocks, staged.num_bytes, exported
-        )
+        """block_bytes: one block of every layer, where nothing is staged (in-place planes);
+        else what is staged per block."""
+        if block_bytes is None:
+            block_bytes = staged.num_bytes // num_blocks if num_blocks else 0
+        deadline = time.monotonic() + self.config.lease_timeout_s
+        lease = Lease(deadline, num_blocks, staged.num_bytes, block_bytes, exported)
         with self.lock:
             self.leases[transfer_id] = lease
         self.server.publish(transfer_id, staged.layers, staged.wait_layer)
@@ -153,6 +164,21 @@ class ControlPlane:
             self.ended.append((transfer_id, True))
         self.wakeup()
 
+    def _on_transfer_served(
+        self, transfer_id: str, num_bytes: int | None, num_blocks: int | None
+    ) -> None:
+        """Server thread, right before a confirmation: count what the decode got, the bytes a
+        fetch sent, or the blocks it read in place (all of them when it does not say) times a
+        block's bytes."""
+        with self.lock:
+            lease = self.leases.get(transfer_id)
+            if lease is None:
+                return
+            blocks = lease.num_blocks if num_blocks is None else num_blocks
+            self.new_served["kv_blocks_served"] += blocks
+            served = blocks * lease.block_bytes if num_bytes is None else num_bytes
+            self.new_served["kv_bytes_served"] += served
+
     def _on_transfer_held(self, transfer_id: str) -> bool:
         """Server thread: a decode reads the blocks in place and asks that they stay until it
         confirms; False once the lease has ended (or before its request is done)."""
@@ -203,13 +229,16 @@ class ControlPlane:
     def stats(self) -> dict[str, Any]:
         """Counters for /metrics. "kv_transfer_seconds" (a list) and "kv_transfer_failures"
         (kind -> count: a load's failure kind, "send" for a fetch or hold that broke on the
-        prefill side, "retried" for a broken connection tried again) hold only what happened
-        since the previous call."""
+        prefill side, "retried" for a broken connection tried again), "kv_bytes_served" and
+        "kv_blocks_served" (what decodes got of this worker's confirmed transfers: a partial
+        transfer's blocks only) hold only what happened since the previous call."""
         with self.lock:
             stats: dict[str, Any] = dict(self.counters)
             stats["kv_blocks_leased"] = sum(lease.num_blocks for lease in self.leases.values())
             stats["kv_transfer_seconds"], self.new_transfer_seconds = self.new_transfer_seconds, []
             stats["kv_transfer_failures"], self.new_failures = self.new_failures, {}
+            stats.update(self.new_served)
+            self.new_served = dict.fromkeys(self.new_served, 0)
         return stats
 
     def close(self) -> None:

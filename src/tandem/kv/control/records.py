@@ -43,3 +43,6 @@ class Transfer:
     wait_layer: Callable[[int], None] | None
     withdrawn: threading.Event = field(default_factory=threading.Event)
     holds: int = 0  # connections that hold it (a broken one may have come again meanwhile)
+    # what the client that confirms it got: (the bytes its fetch sent, the blocks it got or
+    # read in place), None where not known
+    served: tuple[int | None, int | None] = (None, None)

@@ -4,10 +4,10 @@ It keeps the published transfers (a transfer: the layers a decode fetches, or no
 decode reads the blocks itself), the handoffs' rendezvous (AWAIT / ANNOUNCE) and the holds,
 and streams a fetch's layers, from the block it asks for, as each becomes valid. Invariants:
 `publish`, `withdraw` and `announce` never wait on the network (the engine loop calls them);
-a transfer is reported done once (`on_transfer_done(id, True)`, after the decode's CONFIRM),
-a broken fetch or hold as `on_transfer_done(id, False)` while it stays published; anything
-unexpected from a client ends that connection only. The protocol: docs/protocol.md, "The KV
-port".
+a transfer is reported done once (`on_transfer_done(id, True)`, after the decode's CONFIRM,
+right after `on_transfer_served` said what the decode got of it), a broken fetch or hold as
+`on_transfer_done(id, False)` while it stays published; anything unexpected from a client ends
+that connection only. The protocol: docs/protocol.md, "The KV port".
 
 Threads: one accept thread plus one per connection; `wait_layer` and the callbacks run on the
 connection's thread, outside the server's lock (so they may call publish/withdraw).
@@ -40,7 +40,6 @@ from tandem.kv.control.wire import (
     AWAIT_POLL_S,
     CONFIRM,
     DONE,
-    ERROR,
     FETCH,
     HEADER,
     HELD,
@@ -48,25 +47,28 @@ from tandem.kv.control.wire import (
     LAYER,
     MAGIC,
     AwaitRequest,
-    ErrorReply,
     FetchRequest,
     ProtocolError,
     await_decoder,
     block_shape,
+    blocks_read,
     byte_view,
     configure_socket,
     encoder,
     fetch_decoder,
     fetched_parts,
+    fetched_size,
     is_alive,
     recv_control,
     recv_header,
+    send_error,
     send_message,
 )
 
 logger = logging.getLogger(__name__)
 
 TransferDoneCallback = Callable[[str, bool], None]
+TransferServedCallback = Callable[[str, int | None, int | None], None]
 
 
 class KVServer:
@@ -76,8 +78,8 @@ class KVServer:
     must move at no less than its size / io_timeout) and the wait for CONFIRM. idle_timeout closes
     connections that carry no request for that long. With a cluster_token, only clients that
     prove it are served (`tandem.kv.control.auth`); handshake_timeout bounds a new client's
-    handshake.
-    """
+    handshake. on_transfer_served(id, bytes, blocks): what the confirming client got (its
+    fetch's bytes, the blocks of each layer it got or read in place; None: not known)."""
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class KVServer:
         *,
         on_transfer_done: TransferDoneCallback | None = None,
         on_transfer_held: Callable[[str], bool] | None = None,
+        on_transfer_served: TransferServedCallback | None = None,
         io_timeout: float = 30.0,
         idle_timeout: float = 300.0,
         announcement_ttl: float = 60.0,
@@ -96,6 +99,7 @@ class KVServer:
         self._handshake_timeout = handshake_timeout
         self._on_transfer_done = on_transfer_done
         self._on_transfer_held = on_transfer_held
+        self._on_transfer_served = on_transfer_served or (lambda *served: None)
         self._announcement_ttl = announcement_ttl
         self._handoffs: dict[str, Handoff] = {}
         self._expiries: deque[tuple[float, str]] = deque()  # (expires, handoff id), in order
@@ -312,9 +316,7 @@ class KVServer:
                 answer_here = not handoff.answered
                 handoff.answered = True
         if answer_here and handoff.message is None:
-            self._send_error(
-                connection, "timeout", f"nothing was announced for {handoff_id!r} in time"
-            )
+            send_error(connection, "timeout", f"nothing was announced for {handoff_id!r} in time")
             return
         try:
             if answer_here:
@@ -363,20 +365,21 @@ class KVServer:
         with self._lock:
             transfer = self._transfers.get(transfer_id)
         if transfer is None:
-            self._send_error(connection, "not_found", f"no published transfer {transfer_id!r}")
+            send_error(connection, "not_found", f"no published transfer {transfer_id!r}")
             return
         if request.release_only:
+            transfer.served = (0, 0)
             self._finish(connection, transfer_id, transfer)
             return
         try:
             sent = fetched_parts(transfer.layers, transfer.block_shapes, request)
         except ValueError as exc:
             self._report_done(transfer_id, transfer, False)
-            self._send_error(connection, "mismatch", f"transfer {transfer_id!r} {exc}")
+            send_error(connection, "mismatch", f"transfer {transfer_id!r} {exc}")
             return
         if request.hold:
             if not self._hold(transfer_id):
-                self._send_error(connection, "aborted", f"transfer {transfer_id!r} has ended")
+                send_error(connection, "aborted", f"transfer {transfer_id!r} has ended")
                 return
             send_message(connection, HELD)
             self._serve_hold(connection, transfer_id, transfer, header)
@@ -387,6 +390,7 @@ class KVServer:
             self._report_done(transfer_id, transfer, False)
             raise
         if outcome == "confirmed":
+            transfer.served = fetched_size(sent, transfer.block_shapes, request.first_block)
             self._finish(connection, transfer_id, transfer)
         elif outcome == "failed":
             self._report_done(transfer_id, transfer, False)
@@ -407,10 +411,10 @@ class KVServer:
                     transfer.wait_layer(index)
                 except Exception as exc:
                     logger.exception("wait_layer(%d) of transfer %r failed", index, transfer_id)
-                    self._send_error(connection, "aborted", f"layer {index} failed: {exc!r}")
+                    send_error(connection, "aborted", f"layer {index} failed: {exc!r}")
                     return "failed"
             if transfer.withdrawn.is_set():
-                self._send_error(connection, "aborted", f"transfer {transfer_id!r} was withdrawn")
+                send_error(connection, "aborted", f"transfer {transfer_id!r} was withdrawn")
                 return "withdrawn"
             self._send_layer(connection, index, parts)
         message = recv_header(connection, header)
@@ -436,6 +440,7 @@ class KVServer:
         except BaseException:
             self._let_go(transfer_id)
             raise
+        transfer.served = (None, blocks_read(message[1]))
         self._finish(connection, transfer_id, transfer)
 
     def _finish(self, connection: socket.socket, transfer_id: str, transfer: Transfer) -> None:
@@ -444,8 +449,12 @@ class KVServer:
             if completed:
                 del self._transfers[transfer_id]
         if not completed:
-            self._send_error(connection, "aborted", f"transfer {transfer_id!r} was withdrawn")
+            send_error(connection, "aborted", f"transfer {transfer_id!r} was withdrawn")
             return
+        try:
+            self._on_transfer_served(transfer_id, *transfer.served)
+        except Exception:
+            logger.exception("on_transfer_served(%r) failed", transfer_id)
         try:
             send_message(connection, DONE)
         finally:
@@ -489,7 +498,3 @@ class KVServer:
             self._on_transfer_done(transfer_id, ok)
         except Exception:
             logger.exception("on_transfer_done(%r, %s) failed", transfer_id, ok)
-
-    @staticmethod
-    def _send_error(connection: socket.socket, kind: str, message: str) -> None:
-        send_message(connection, ERROR, encoder.encode(ErrorReply(kind, message)))

@@ -31,6 +31,8 @@ AWAIT = 6
 ANNOUNCE = 7
 HELD = 8
 HELD_FLAG = 1  # ANNOUNCE: the transfer it names is held for this connection
+# CONFIRM of a hold: layer = 1 + the blocks the client read in place; 0 says nothing (an older
+# client), and the whole transfer counts as read
 AWAIT_POLL_S = 0.05  # how often a wait checks that its peer is still there (or cancelled)
 
 
@@ -111,6 +113,30 @@ def fetched_parts(
             f"{request.layer_nbytes}"
         )
     return sent
+
+
+def fetched_size(
+    sent: list[list[memoryview]], shapes: list[tuple[int, int] | None], first_block: int
+) -> tuple[int, int | None]:
+    """What a fetch gets (`sent`, from fetched_parts): its bytes, and the blocks of each layer
+    (None: the layers have no blocks)."""
+    shape = shapes[0] if shapes else None
+    blocks = None if shape is None else shape[1] - first_block
+    return sum(len(part) for parts in sent for part in parts), blocks
+
+
+def confirm_layer(blocks_read: int | None) -> int:
+    """The layer field of a hold's CONFIRM that says how many blocks the client read."""
+    return 0 if blocks_read is None else blocks_read + 1
+
+
+def blocks_read(confirm_layer: int) -> int | None:
+    """The blocks a hold's CONFIRM says the client read (None: it does not say)."""
+    return confirm_layer - 1 if confirm_layer else None
+
+
+def send_error(sock: socket.socket, kind: str, message: str) -> None:
+    send_message(sock, ERROR, encoder.encode(ErrorReply(kind, message)))
 
 
 def configure_socket(sock: socket.socket) -> None:

@@ -17,6 +17,9 @@ connector maps those onto it; the control plane, kv/control, carries them betwee
 Blocks line up one to one: remote block k holds the same tokens as the request's local block k.
 `reads_in_place` planes read the source's cache while the read runs: the source must keep the
 blocks (the connector holds its lease) until `ReadHandle.wait_copied()` returns.
+KV heads are the model's indices: a source's cache holds `BlockSource.kv_heads`, the local one
+`DataPlane.kv_heads` (a tensor-parallel rank's shard; all heads otherwise), and a read copies
+`BlockSource.read_heads` of the source's into the same heads of the local cache (`head_copy`).
 """
 
 from __future__ import annotations
@@ -42,8 +45,20 @@ class BlockSource:
     block_ids: list[int]  # every block of the transfer, in token order
     layout: str  # kv_transfer_params' kv_layout: "{layers}x2x{kv_heads}x{head_dim}:{dtype}"
     layers: tuple[int, int]  # [start, stop) of the source's layers (today: all)
-    kv_heads: tuple[int, int]  # [start, stop) of its KV heads (today: all; a TP shard later)
+    kv_heads: tuple[int, int]  # [start, stop) of the model's KV heads the source's cache holds
     exported: dict[str, Any] = field(default_factory=dict)  # the source plane's export()
+    read_heads: tuple[int, int] | None = None  # the heads to read (None: all of kv_heads)
+
+
+@dataclass(frozen=True)
+class HeadCopy:
+    """A read of part of a source's KV heads: heads [source_start, source_start + count) of
+    its cache's last-but-one dimension into [local_start, local_start + count) of the local
+    cache's."""
+
+    source_start: int
+    local_start: int
+    count: int
 
 
 @dataclass
@@ -68,6 +83,7 @@ class ReadHandle:
         self.host_layers: list[torch.Tensor] | None = None  # a relayed read's bytes (tcp)
         self._future: Future[int] = Future()
         self._copied: Callable[[], float] = lambda: 0.0
+        self._copy_done: Callable[[], bool] = lambda: True
         if on_done is not None:
             self._future.add_done_callback(lambda _: on_done(self))
 
@@ -85,10 +101,21 @@ class ReadHandle:
         on the device after it was queued (0.0 where done() already meant that)."""
         return self._copied()
 
+    def copy_done(self) -> bool:
+        """Whether wait_copied() would return at once (nothing reads the source's blocks)."""
+        return self._copy_done()
+
     # the plane's side
-    def finish(self, num_bytes: int, copied: Callable[[], float] | None = None) -> None:
+    def finish(
+        self,
+        num_bytes: int,
+        copied: Callable[[], float] | None = None,
+        copy_done: Callable[[], bool] | None = None,
+    ) -> None:
         if copied is not None:
             self._copied = copied
+        if copy_done is not None:
+            self._copy_done = copy_done
         self._future.set_result(num_bytes)
 
     def fail(self, exc: BaseException) -> None:
@@ -120,6 +147,9 @@ class DataPlane(abc.ABC):
         self.client = client
         self.wake_engine = wake_engine
         self.kv_cache: torch.Tensor | None = None
+        # the model's KV heads the local cache holds, [start, stop) (register_kv_cache: all of
+        # its heads; a tensor-parallel rank's connector sets its shard's)
+        self.kv_heads: tuple[int, int] | None = None
         # rank 0 of a tensor-parallel engine: its transfers carry every rank's KV heads,
         # gathered through this (tandem.kv.connector.ranks.HeadRelay); None: one rank
         self.relay: Any = None
@@ -134,6 +164,8 @@ class DataPlane(abc.ABC):
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache[layer, 0 = key | 1 = value, block, offset, kv_head, head_dim]."""
         self.kv_cache = kv_cache
+        if self.kv_heads is None:
+            self.kv_heads = (0, kv_cache.shape[4])
 
     def export(self) -> dict[str, Any]:
         return {}
@@ -163,8 +195,32 @@ class DataPlane(abc.ABC):
     def close(self) -> None:
         return None
 
+    def head_copy(self, source: BlockSource) -> HeadCopy | None:
+        """What part of the source's KV heads a read copies, None when it copies whole blocks
+        (the source's cache and the local one hold the same heads, and all are read);
+        KVTransferError ("mismatch") when the heads to read are not in both caches."""
+        from tandem.kv.errors import KVTransferError
+
+        num_layers = self.kv_cache.shape[0]
+        if source.layers != (0, num_layers):
+            raise KVTransferError(
+                "mismatch", f"layers {source.layers} of the source, this worker has {num_layers}"
+            )
+        read = source.read_heads or source.kv_heads
+        held, local = source.kv_heads, self.kv_heads
+        if not (
+            held[0] <= read[0] < read[1] <= held[1] and local[0] <= read[0] < read[1] <= local[1]
+        ):
+            raise KVTransferError(
+                "mismatch",
+                f"KV heads {read} to read, of the source's {held}, into this cache's {local}",
+            )
+        if read == held == local:
+            return None
+        return HeadCopy(read[0] - held[0], read[0] - local[0], read[1] - read[0])
+
     def check_whole(self, source: BlockSource) -> None:
-        """Today's planes read whole transfers: every layer and every KV head of the source."""
+        """A plane that reads whole transfers (tcp): every layer and every KV head."""
         from tandem.kv.errors import KVTransferError
 
         num_layers, num_kv_heads = self.kv_cache.shape[0], self.num_kv_heads

@@ -13,10 +13,11 @@ over NVLink and writes the local ones:
         local[p, local_block_ids[i]]  <-  remote[p, remote_block_ids[i]]      (one program each)
 
 The source's GPU runs none of this. Without Triton the copy falls back to a torch gather and
-scatter on the local GPU (slower: the bytes cross memory three times). Both workers must see the
-same GPUs under the same indices (a handle names the device by index). A handle is plain data
-(msgpack: numbers, bytes and a fixed list of torch type names), never a pickle: it arrives in a
-request's kv_transfer_params, and decoding it must not run code.
+scatter on the local GPU (slower: the bytes cross memory three times), as does a read of part of
+the source's KV heads (tensor-parallel ranks of different sizes: `DataPlane.head_copy`). Both
+workers must see the same GPUs under the same indices (a handle names the device by index). A
+handle is plain data (msgpack: numbers, bytes and a fixed list of torch type names), never a
+pickle: it arrives in a request's kv_transfer_params, and decoding it must not run code.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from tandem.executor.input_staging import InputStaging
-from tandem.kv.data.base import BlockSource, DataPlane, ReadHandle
+from tandem.kv.data.base import BlockSource, DataPlane, HeadCopy, ReadHandle
 from tandem.kv.errors import KVTransferError
 
 try:
@@ -200,11 +201,13 @@ class BlockCopier:
         local_block_ids: list[int],
         use_kernel: bool = True,
         after: torch.cuda.Event | None = None,
+        heads: HeadCopy | None = None,
     ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Queue the copy without waiting for it, on the copier's stream: it starts after the
         work already queued on the local GPU's current stream (which may still use the local
         blocks). Returns two timing events: recorded as the copy is queued, and once it is done.
-        use_kernel=False (or no Triton) gathers and scatters with torch instead.
+        use_kernel=False (or no Triton) gathers and scatters with torch instead, as does a copy
+        of part of the KV heads (`heads`: the remote cache holds the source's heads).
 
         Without `after`, the current stream's later work waits for the copy. `after` (an event
         of the process that writes the remote blocks, opened on the local GPU): the copy also
@@ -213,7 +216,7 @@ class BlockCopier:
         other requests' steps, does not wait for the remote process)."""
         local_cache, stream = self.local_cache, self.stream
         local_stream = torch.cuda.current_stream(local_cache.device)
-        kernel = use_kernel and triton is not None
+        kernel = use_kernel and triton is not None and heads is None
         ids_dtype = torch.int32 if kernel else torch.int64
         queued, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(local_cache.device):
@@ -232,6 +235,10 @@ class BlockCopier:
             with torch.cuda.stream(stream):
                 if kernel:
                     copy_blocks_kernel(remote_cache, remote_ids, local_cache, local_ids)
+                elif heads is not None:
+                    wanted = remote_cache.narrow(4, heads.source_start, heads.count)
+                    local = local_cache.narrow(4, heads.local_start, heads.count)
+                    local.index_copy_(2, local_ids, wanted.index_select(2, remote_ids))
                 else:
                     planes = local_cache.shape[0] * local_cache.shape[1]
                     remote_planes = remote_cache.view(planes, remote_cache.shape[2], -1)
@@ -253,9 +260,10 @@ class CudaIpcDataPlane(DataPlane):
         super().__init__(device, *args, **kwargs)
         self.handle: str | None = None
         self.copier: BlockCopier | None = None
-        self.remote_caches: dict[str, torch.Tensor] = {}  # source engine id -> mapped cache
+        self.remote_caches: dict[str, torch.Tensor] = {}  # a source cache's handle -> mapped
         self.lock = threading.Lock()
-        self.queued: list[tuple[ReadHandle, torch.Tensor, list[int], list[int]]] = []
+        self.queued: list[tuple[ReadHandle, torch.Tensor, list[int], list[int], HeadCopy | None]]
+        self.queued = []
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         super().register_kv_cache(kv_cache)
@@ -274,18 +282,17 @@ class CudaIpcDataPlane(DataPlane):
     ) -> ReadHandle:
         """Map the source's cache (on its first read) and queue the copy for the engine
         thread; raises KVTransferError when the source is not one this plane can read."""
-        self.check_whole(source)
+        heads = self.head_copy(source)
         handle_text = source.exported.get("kv_ipc_handle")
         if not handle_text:
             raise KVTransferError("mismatch", "the prefill worker exported no CUDA IPC handle")
-        if source.engine_id not in self.remote_caches:
-            self.remote_caches[source.engine_id] = open_handle(handle_text, self.device)
+        if handle_text not in self.remote_caches:  # one per source cache (engine and rank)
+            self.remote_caches[handle_text] = open_handle(handle_text, self.device)
         read = ReadHandle(on_done)
         remote_ids = source.block_ids[first_block:]
+        remote_cache = self.remote_caches[handle_text]
         with self.lock:
-            self.queued.append(
-                (read, self.remote_caches[source.engine_id], remote_ids, local_block_ids)
-            )
+            self.queued.append((read, remote_cache, remote_ids, local_block_ids, heads))
         self.wake_engine()
         return read
 
@@ -296,10 +303,11 @@ class CudaIpcDataPlane(DataPlane):
             queued, self.queued = self.queued, []
         if not queued:  # most steps: not even the slice below, which costs microseconds
             return
-        block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
-        for read, remote_cache, remote_ids, local_ids in queued:
+        for read, remote_cache, remote_ids, local_ids, heads in queued:
             try:
-                queued_event, done = self.copier.launch(remote_cache, remote_ids, local_ids)
+                queued_event, done = self.copier.launch(
+                    remote_cache, remote_ids, local_ids, heads=heads
+                )
             except Exception as exc:
                 read.fail(exc)
                 continue
@@ -308,4 +316,7 @@ class CudaIpcDataPlane(DataPlane):
                 done.synchronize()
                 return queued_event.elapsed_time(done) / 1e3
 
-            read.finish(len(remote_ids) * block_bytes, copied)
+            block_bytes = remote_cache[:, :, 0].numel() * remote_cache.element_size()
+            if heads is not None:
+                block_bytes = block_bytes * heads.count // remote_cache.shape[4]
+            read.finish(len(remote_ids) * block_bytes, copied, done.query)

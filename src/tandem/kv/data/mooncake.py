@@ -60,6 +60,14 @@ class MooncakeDataPlane(RegisteredMemoryPlane):
             raise RuntimeError("Mooncake could not register the KV cache")
         return self.session, b""
 
+    def _register_staging(self, staging: torch.Tensor) -> None:
+        num_bytes = staging.numel() * staging.element_size()
+        if self.engine.register_memory(staging.data_ptr(), num_bytes) != 0:
+            raise KVTransferError("connection", "Mooncake could not register a staging buffer")
+
+    def _deregister_staging(self, staging: torch.Tensor, registration: None) -> None:
+        self.engine.unregister_memory(staging.data_ptr())
+
     def _read_regions(
         self, source: BlockSource, remote: MemoryHandle, regions: np.ndarray, timeout: float
     ) -> None:

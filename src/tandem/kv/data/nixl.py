@@ -56,6 +56,12 @@ class NixlDataPlane(RegisteredMemoryPlane):
         self.agent.register_memory(kv_cache)
         return self.agent.name, self.agent.get_agent_metadata()
 
+    def _register_staging(self, staging: torch.Tensor):
+        return self.agent.register_memory(staging)
+
+    def _deregister_staging(self, staging: torch.Tensor, registration) -> None:
+        self.agent.deregister_memory(registration)
+
     def _read_regions(
         self, source: BlockSource, remote: MemoryHandle, regions: np.ndarray, timeout: float
     ) -> None:

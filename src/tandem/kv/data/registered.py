@@ -9,9 +9,12 @@ source's lease while the destination reads, and confirms once the read is done.
 Destination side: start_read turns the read into regions (local address, remote address,
 length), one per layer, key or value, and run of consecutive blocks on both sides, and a read
 thread hands them to the library (`_read_regions`, the plane's) and waits for them, bounded by
-the transfer timeout. Invariant: a read's handle ends only once the library is done with the
-local blocks (done, failed, or given up and cancelled), so they may be freed next; every
-library failure is a KVTransferError.
+the transfer timeout. A read of part of the source's KV heads (tensor-parallel ranks of
+different sizes, `DataPlane.head_copy`) reads the source's whole blocks into a staging tensor of
+the source's shape, registered for that read only, and copies the heads it wants into the local
+blocks before it ends. Invariant: a read's handle ends only once the library is done with the
+local blocks (done, failed, or given up and cancelled) and any staging copy is done, so they may
+be freed next; every library failure is a KVTransferError.
 
 Cache layout: [layers, 2, num_blocks, block_size, kv_heads, head_dim], contiguous, so block b of
 plane p = layer * 2 + (key | value) starts at base + (p * num_blocks + b) * block_bytes.
@@ -29,7 +32,7 @@ import msgspec
 import numpy as np
 import torch
 
-from tandem.kv.data.base import BlockSource, DataPlane, ReadHandle
+from tandem.kv.data.base import BlockSource, DataPlane, HeadCopy, ReadHandle
 from tandem.kv.errors import KVTransferError
 
 READ_THREADS = 4
@@ -115,29 +118,45 @@ class RegisteredMemoryPlane(DataPlane):
         first_block: int,
         on_done: Callable[[ReadHandle], None] | None = None,
     ) -> ReadHandle:
-        self.check_whole(source)
+        heads = self.head_copy(source)
         remote = decode_handle(source.exported.get("kv_memory_handle"))
         remote_ids = source.block_ids[first_block:]
         if len(remote_ids) != len(local_block_ids):
             raise KVTransferError(
                 "mismatch", f"{len(remote_ids)} source blocks for {len(local_block_ids)} local"
             )
-        cache = self.kv_cache
-        block_bytes = cache[0, 0, 0].numel() * cache.element_size()
+        target, target_ids = self.kv_cache, local_block_ids
+        if heads is not None:  # the source's whole blocks, staged in the source's shape
+            cache = self.kv_cache
+            num_source_heads = source.kv_heads[1] - source.kv_heads[0]
+            # [layers, 2, blocks read, block_size, the source's heads, head_dim]
+            shape = (*cache.shape[:2], len(remote_ids), cache.shape[3], num_source_heads)
+            target = torch.empty((*shape, cache.shape[5]), dtype=cache.dtype, device=cache.device)
+            target_ids = list(range(len(remote_ids)))
+        block_bytes = target[0, 0, 0].numel() * target.element_size()
         regions = block_regions(
-            cache.data_ptr(), cache.shape[2], local_block_ids,
+            target.data_ptr(), target.shape[2], target_ids,
             remote.address, remote.num_blocks, remote_ids,
-            cache.shape[0] * cache.shape[1], block_bytes,
+            target.shape[0] * target.shape[1], block_bytes,
         )  # fmt: skip
         read = ReadHandle(on_done)
-        self.readers.submit(self._read, read, source, remote, regions)
+        staging = None if heads is None else (target, heads, local_block_ids)
+        self.readers.submit(self._read, read, source, remote, regions, staging)
         return read
 
     def _read(
-        self, read: ReadHandle, source: BlockSource, remote: MemoryHandle, regions: np.ndarray
+        self,
+        read: ReadHandle,
+        source: BlockSource,
+        remote: MemoryHandle,
+        regions: np.ndarray,
+        staging: tuple[torch.Tensor, HeadCopy, list[int]] | None,
     ) -> None:
         try:
-            self._read_regions(source, remote, regions, self.transfer_timeout_s)
+            if staging is None:
+                self._read_regions(source, remote, regions, self.transfer_timeout_s)
+            else:
+                self._read_staged(source, remote, regions, *staging)
         except KVTransferError as exc:
             read.fail(exc)
             return
@@ -146,9 +165,45 @@ class RegisteredMemoryPlane(DataPlane):
             return
         read.finish(int(regions[:, 2].sum()))
 
+    def _read_staged(
+        self,
+        source: BlockSource,
+        remote: MemoryHandle,
+        regions: np.ndarray,
+        staging: torch.Tensor,
+        heads: HeadCopy,
+        local_block_ids: list[int],
+    ) -> None:
+        """Read into `staging` (registered for this read), then copy its heads `heads` into
+        the local blocks (on CUDA on a stream of its own, waited for)."""
+        registration = self._register_staging(staging)
+        try:
+            self._read_regions(source, remote, regions, self.transfer_timeout_s)
+        finally:
+            self._deregister_staging(staging, registration)
+        cache = self.kv_cache
+        targets = torch.tensor(local_block_ids, dtype=torch.long, device=cache.device)
+        wanted = staging.narrow(4, heads.source_start, heads.count)
+        local = cache.narrow(4, heads.local_start, heads.count)
+        if cache.device.type != "cuda":
+            local.index_copy_(2, targets, wanted)
+            return
+        stream = torch.cuda.Stream(cache.device)
+        with torch.cuda.stream(stream):
+            local.index_copy_(2, targets, wanted)
+        stream.synchronize()
+
     @abc.abstractmethod
     def _register(self, kv_cache: torch.Tensor) -> tuple[str, bytes]:
         """Register the cache with the library: (MemoryHandle.peer, MemoryHandle.metadata)."""
+
+    @abc.abstractmethod
+    def _register_staging(self, staging: torch.Tensor) -> Any:
+        """Register a read's staging tensor with the library; what deregistering it takes."""
+
+    @abc.abstractmethod
+    def _deregister_staging(self, staging: torch.Tensor, registration: Any) -> None:
+        """Undo `_register_staging` (the library no longer uses the tensor)."""
 
     @abc.abstractmethod
     def _read_regions(
