@@ -505,3 +505,11 @@ def test_compare_serves_the_default_model_without_model(tmp_path: Path, capsys) 
 
 if __name__ == "__main__":
     serve_as_script()
+
+
+def test_idle_connections_go_back_before_the_server_closes_them():
+    """A connection the server is closing after its keep-alive fails the request reusing it
+    ("Server disconnected"): the client lets idle ones go sooner than tandem's servers do."""
+    from tandem.bench.serve import IDLE_CONNECTION_S
+
+    assert IDLE_CONNECTION_S < uvicorn.Config(FastAPI()).timeout_keep_alive

@@ -50,6 +50,8 @@ from tandem.bench.results import (
     write_json,
 )
 
+IDLE_CONNECTION_S = 3.0  # how long an idle connection to the server is kept for reuse
+
 
 @dataclass(frozen=True)
 class LoadPoint:
@@ -333,7 +335,9 @@ async def run_sweep(
         warmup_samples, point_samples = sample_points(options, tokenizer)
     except (ValueError, OSError) as exc:
         raise BenchError(str(exc)) from exc
-    connector = aiohttp.TCPConnector(limit=0)
+    # An idle connection goes back before the server closes it (uvicorn: after 5 s): reusing one
+    # the server is closing fails its request with "Server disconnected".
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S)
     timeout = aiohttp.ClientTimeout(total=options.request_timeout_s)
     headers = {"authorization": f"Bearer {options.api_key}"} if options.api_key else None
     async with aiohttp.ClientSession(
