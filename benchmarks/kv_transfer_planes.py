@@ -86,7 +86,11 @@ def devices(args: argparse.Namespace) -> tuple[torch.device, torch.device]:
 
 def bench(transport: str, args: argparse.Namespace, block_ids: list[int], shape: list[int]):
     source_device, local_device = devices(args)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent / "src"))
+    source_path = str(Path(__file__).resolve().parent.parent / "src")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [source_path, os.environ.get("PYTHONPATH")])),
+    )
     command = [sys.executable, "-c", SOURCE, transport, json.dumps(shape)]
     command += [json.dumps(block_ids), str(args.repeats), str(source_device)]
     source = subprocess.Popen(
