@@ -96,8 +96,9 @@ def test_32_concurrent_requests_are_right_and_free_everything(client, trio):
     references = [run_direct(client, both.url, "/v1/completions", body) for body in bodies]
     counters = [
         (prefill, "tandem_kv_transfer_blocks_sent"),
-        (decode, "tandem_kv_transfer_blocks_received"),
         (decode, "tandem_kv_transfer_seconds_count"),
+        (decode, "tandem_kv_transfer_blocks_received"),
+        (prefill, "tandem_kv_transfer_blocks_served_total"),
     ]
     assert_nothing_held(prefill, decode)  # earlier tests' transfers are all counted
     before = [metric(worker, name) for worker, name in counters]
@@ -113,12 +114,18 @@ def test_32_concurrent_requests_are_right_and_free_everything(client, trio):
     assert_nothing_held(prefill, decode, timeout=10)
     num_blocks = sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
     assert num_blocks > 2 * DECODE_KV_BLOCKS  # so requests did wait for decode blocks
-    expected = [num_blocks, num_blocks, len(prompts)]
 
     def deltas() -> list[float]:
         return [metric(w, n) - b for (w, n), b in zip(counters, before, strict=True)]
 
-    wait_until(lambda: deltas() == expected, 5, lambda: f"{deltas()} != {expected}")
+    # every prompt's blocks staged and one load each; the decode received what the prefill
+    # served: the blocks its prefix cache lacked (the shared 48 tokens may be there already)
+    def counted() -> bool:
+        staged, loads, received, served = deltas()
+        return [staged, loads] == [num_blocks, len(prompts)] and received == served > 0
+
+    wait_until(counted, 5, lambda: f"{deltas()}: {num_blocks} blocks, {len(prompts)} loads")
+    assert deltas()[2] <= num_blocks
     assert metric(decode, "tandem_kv_transfer_failures_total") == 0
 
 
