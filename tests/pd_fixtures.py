@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from worker_fixtures import WorkerProcess, read_metrics, start_tandem, start_worker
 
 HTTP_TIMEOUT_S = 300.0
-FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "kv_faults"
+FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugins"
 
 REMOTE_DECODE_PARAMS = {
     "do_remote_decode": True,
@@ -57,7 +57,7 @@ def running_workers(
 
 
 def start_faulty_worker(fault: str | None, *flags: str, **kwargs) -> WorkerProcess:
-    """start_worker, with the test-only KV fault plug-in (tests/kv_faults) injecting `fault`
+    """start_worker, with the test-only KV fault plug-in (tests/fault_plugins) injecting `fault`
     into the worker's KV server (None: no fault)."""
     if fault is None:
         return start_worker(*flags, **kwargs)

@@ -1,7 +1,7 @@
 """Engine faults: contained to their request or step, and an engine that dies, on real `tandem
 worker` processes (CPU, a tiny random checkpoint) and on an engine core in this process.
 
-The workers' faults come from the test-only plug-in tests/engine_faults (on their PYTHONPATH,
+The workers' faults come from the test-only plug-in tests/fault_plugins (on their PYTHONPATH,
 TANDEM_TEST_FAULT says where to raise for a request whose prompt holds a given token id). Every
 answer is checked against the same request answered by the same worker before any fault
 (greedy, so token for token). The tiny model has no EOS: a request runs to max_tokens; PROMPT's
@@ -31,7 +31,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.server.main import ENGINE_DIED_EXIT_CODE
 from worker_fixtures import WorkerProcess, start_worker
 
-PLUGIN_DIR = Path(__file__).resolve().parent / "engine_faults"
+PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugins"
 ADMIT, UPDATE, STEP, CUDA, SLOW = 501, 502, 503, 504, 505  # the poisoned token ids
 FAULTS = f"admit:{ADMIT},update:{UPDATE},step:{STEP},cuda:{CUDA},slow:{SLOW}"
 CHECKPOINT = "llama-gqa"

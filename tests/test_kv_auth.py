@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from kv_faults.transport_faults import TransportFault, faulty
+from fault_plugins.transport_faults import TransportFault, faulty
 from kv_wire import (
     AWAIT,
     FETCH,

@@ -1,7 +1,7 @@
 """PD failure semantics with real workers on a tiny random checkpoint, each failure injected.
 
 Workers (one set for the module); the prefill workers' faults come from the test-only plug-in
-tests/kv_faults (on their PYTHONPATH, with TANDEM_TEST_KV_FAULT set):
+tests/fault_plugins (on their PYTHONPATH, with TANDEM_TEST_KV_FAULT set):
 
     prefill-delay  fault delay:DELAY_S        its KV server waits DELAY_S before sending
     prefill-drop   fault drop:1               its KV server closes after the first layer;

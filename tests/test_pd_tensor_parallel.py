@@ -9,7 +9,7 @@ The legs run directly first, then through a `tandem router` per pair (completion
 collected in vLLM's order, streamed as a handoff). Then, with TP=2 on each side in turn: a
 client that leaves mid-stream (and, slow, while the KV is on the way: the decode's ranks then
 install a read for a request that is gone), and a KV transfer that breaks (a prefill whose KV
-server drops every fetch after one layer, from the test-only plug-in tests/kv_faults): the
+server drops every fetch after one layer, from the test-only plug-in tests/fault_plugins): the
 default load-failure policy recomputes the prompt, so the answer is still the reference's; the
 `fail` policy (slow) answers a clear error. A TP engine's blocks are its scheduler's (rank 0's
 block pool; the other ranks keep no per-request state, only their KV-head shard of every

@@ -9,7 +9,7 @@ answers are token-identical to a colocated `both` worker at TP=1, for (prefill T
 both prefill ranks (staging), (2, 2): each rank reads its twin's blocks whole; a head read from
 the wrong rank, or a rank that missed its read, changes the tokens (the model has 2 KV heads,
 one per rank at TP=2). A read that fails on decode rank 1 only (the test-only plug-in
-tests/rank_read_faults) fails the load on rank 0: the default policy recomputes the prompt and
+tests/fault_plugins) fails the load on rank 0: the default policy recomputes the prompt and
 the answer is still the reference's. Nothing stays held on any worker. The default run keeps
 nixl (1, 2) and the failure; the other pairs are marked slow.
 """
@@ -44,7 +44,7 @@ PROMPTS = prompt_set(1000, *VOCAB)[:6]
 MAX_TOKENS = 5
 COMMON = ("--num-kv-blocks", "512", "--max-num-batched-tokens", "64")
 COMPLETIONS = "/v1/completions"
-FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "rank_read_faults"
+FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugins"
 LEASE_S = 3.5  # a "-short" prefill's lease: what a failed load leaves goes by then
 SLOW = pytest.mark.slow
 os.environ.setdefault("UCX_TLS", "tcp")  # this host has no RDMA: UCX over TCP, as in CI

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tandem
-from kv_faults.transport_faults import TransportFault, faulty
+from fault_plugins.transport_faults import TransportFault, faulty
 from kv_wire import (
     CONFIRM,
     FETCH,

@@ -1,6 +1,5 @@
-"""Test-only fault injection for `tandem worker` subprocesses: with this directory on PYTHONPATH
-and TANDEM_TEST_FAULT set to `where:token_id[,where:token_id...]`, the engine raises on purpose
-for a request whose prompt holds that token id.
+"""The engine faults of the fault plug-in (TANDEM_TEST_FAULT=`where:token_id[,...]`): the engine
+raises on purpose for a request whose prompt holds that token id.
 
     admit   admission raises once the scheduler holds the request  (the request fails alone)
     update  taking its sampled token after a step raises            (the request fails alone)
@@ -8,21 +7,13 @@ for a request whose prompt holds that token id.
     cuda    that forward raises a CUDA error                         (the engine cannot go on)
     slow    each step of a batch that holds it first sleeps SLOW_STEP_S (a request that runs
             for as long as a test needs, whatever the machine's speed)
-
-Nothing is imported or patched until the engine core's module is (a meta path hook patches it
-then), so the API process and every process without the variable run unchanged.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import os
-import sys
 import time
 
-TARGET = "tandem.engine.core"
 SLOW_STEP_S = 0.02
 
 
@@ -79,28 +70,3 @@ def install(core_module, faults: dict[str, int]) -> None:
             return execute(self, scheduler_output)
 
         executor_class.execute_model = failing_execute
-
-
-class PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds TARGET with the other finders and patches the module once it has run."""
-
-    def __init__(self, faults: dict[str, int]) -> None:
-        self.faults = faults
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        run_module = spec.loader.exec_module
-
-        def exec_module(module) -> None:
-            run_module(module)
-            install(module, self.faults)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if value := os.environ.get("TANDEM_TEST_FAULT"):
-    sys.meta_path.insert(0, PatchOnImport(parse_faults(value)))
