@@ -163,7 +163,7 @@ def test_absorbed_attention_equals_the_decompressed_one(shape, checkpoints):
 
     latents = gather_latents(cache, metadata)
     scale = model.model.rotary.softmax_scale
-    absorbed = attention.attend_absorbed(q, latents, metadata, scale)
+    absorbed = attention.attend_absorbed(q, cache, metadata, scale)
     decompressed = attention.attend_decompressed(q, latents, metadata, scale)
     assert absorbed.shape == (5, 4, source.hf_config["v_head_dim"])
     torch.testing.assert_close(absorbed, decompressed, atol=1e-5, rtol=1e-5)

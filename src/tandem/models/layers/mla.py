@@ -12,12 +12,12 @@ The cache keeps only [c | k_rope] (D = kv_lora_rank + qk_rope_head_dim values a 
 layout of one layer: the vector's first half in plane 0, its second in plane 1 (kv heads 1,
 head_dim D / 2), so the KV data planes and the tensor-parallel relay move it as any cache.
 
-Attention gathers each sequence's latents and either decompresses them into per-head keys and
-values (batches with a prompt chunk: the cheaper form when queries are many), or absorbs the
+Attention either decompresses each sequence's gathered latents into per-head keys and values
+(batches with a prompt chunk: the cheaper form when queries are many), or absorbs the
 up-projection into the queries (decode-only batches): q_nope W_UK attends over the latents as
 one shared KV head, and the result leaves through W_UV. Both are the same function (a test
-holds them equal). This is the torch path on every device; the attention backend's kernels
-(Triton) are not used for it.
+holds them equal). On CUDA with Triton the absorbed form is a kernel reading the latents in
+place (`tandem.attention.triton_mla`); elsewhere the torch path gathers them (the oracle).
 
 Rotary embedding touches the rope parts only, on DeepSeek's interleaved pairs (or on halves
 where a V3 config sets rope_interleave false), with YaRN scaling: its attention factor scales
@@ -26,7 +26,9 @@ cos and sin, and mscale_all_dim scales the softmax.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -170,6 +172,29 @@ def padded_attention(
     return attended.transpose(1, 2)[seq_of_token, index_in_seq].to(q.dtype)
 
 
+def latent_attention(
+    queries: torch.Tensor,  # [T, heads, D]: [q_nope W_UK | q_rope]
+    latents: torch.Tensor,  # [B, context, D], gathered
+    metadata: AttentionMetadata,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:  # [T, heads, kv_lora_rank]
+    """The absorbed form's attention in torch: the latents as one shared KV head, their first
+    kv_lora_rank values as its values."""
+    keys = latents[:, None]  # [B, 1, context, D]
+    return padded_attention(queries, keys, keys[..., :kv_lora_rank], metadata, scale)
+
+
+@functools.cache
+def paged_latent_attention() -> Callable[..., torch.Tensor] | None:
+    """The Triton kernel of the absorbed form (`triton_mla.mla_decode`), None without Triton."""
+    try:
+        from tandem.attention.triton_mla import mla_decode
+    except ImportError:
+        return None
+    return mla_decode
+
+
 class MultiHeadLatentAttention(nn.Module):
     """One layer's MLA; this rank's heads under tensor parallelism (q/q_b and kv_b_proj split by
     head, o_proj row-parallel; q_a_proj and kv_a_proj_with_mqa replicated: the latent is whole
@@ -227,10 +252,10 @@ class MultiHeadLatentAttention(nn.Module):
         self, q: torch.Tensor, layer_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """[T, heads * v_head_dim], before o_proj."""
-        latents = gather_latents(layer_cache, metadata)
         if metadata.is_decode_only:
-            attended = self.attend_absorbed(q, latents, metadata, scale)
+            attended = self.attend_absorbed(q, layer_cache, metadata, scale)
         else:
+            latents = gather_latents(layer_cache, metadata)
             attended = self.attend_decompressed(q, latents, metadata, scale)
         return attended.reshape(q.shape[0], -1)
 
@@ -254,16 +279,18 @@ class MultiHeadLatentAttention(nn.Module):
         return padded_attention(q, keys.transpose(1, 2), values.transpose(1, 2), metadata, scale)
 
     def attend_absorbed(
-        self, q: torch.Tensor, latents: torch.Tensor, metadata: AttentionMetadata, scale: float
+        self, q: torch.Tensor, layer_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        """W_UK folded into the queries, W_UV applied after: [T, heads, v_head_dim]."""
+        """W_UK folded into the queries, W_UV applied after: [T, heads, v_head_dim]; one query
+        token per sequence (decode-only batches)."""
         mla = self.mla
         w_uk, w_uv = self.up_projections()
         q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
-        keys = latents[:, None]  # [B, 1, context, D]: one KV head
-        attended = padded_attention(
-            torch.cat((q_latent, q_rope), dim=-1), keys, keys[..., : mla.kv_lora_rank],
-            metadata, scale,
-        )  # fmt: skip  # [T, heads, kv_lora_rank]
+        queries = torch.cat((torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope), dim=-1)
+        paged_kernel = paged_latent_attention()
+        if layer_cache.is_cuda and paged_kernel is not None:
+            attended = paged_kernel(queries, layer_cache, metadata, scale, mla.kv_lora_rank)
+        else:
+            latents = gather_latents(layer_cache, metadata)
+            attended = latent_attention(queries, latents, metadata, scale, mla.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", attended, w_uv)
