@@ -9,15 +9,17 @@
 * Whole engines on tiny random checkpoints (V2-Lite-like without q compression; V3-like with it,
   a random correction bias, YaRN): greedy output identical to transformers' generate for 16
   prompts at TP=1, TP=2 and TP=2 with --enable-expert-parallel (gloo).
-* PD over tcp (slow): a prefill worker at TP=1 and a decode worker at TP=2 with expert
-  parallelism answer as a colocated TP=1 worker, holding nothing afterwards; kv_transfer_params
-  name the latent layout, and a decode told of another layout refuses the request.
+* PD over nixl (each decode rank reads the latents; over tcp, rank 0's relay, slow): a prefill
+  worker at TP=1 and a decode worker at TP=2 with expert parallelism answer as a colocated TP=1
+  worker, holding nothing afterwards; kv_transfer_params name the latent layout, and a decode
+  told of another layout refuses the request.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 
 import httpx
@@ -36,6 +38,7 @@ from pd_fixtures import (
 from tandem import SamplingParams
 from tandem.attention.base import AttentionMetadata, get_backend
 from tandem.distributed.group import TensorParallelGroup
+from tandem.kv.data import installed
 from tandem.models import registry
 from tandem.models.config import ModelConfig, MoEConfig
 from tandem.models.layers.mla import MLARotary
@@ -273,24 +276,35 @@ def test_greedy_matches_transformers(shape, parallelism, checkpoints, references
 # --- PD between a TP=1 prefill and a TP=2 expert-parallel decode ------------------------------
 
 
-@pytest.fixture(scope="module")
-def pd_workers(checkpoints, tmp_path_factory):
-    """prefill (TP=1), decode (TP=2, expert parallel), both (TP=1, the reference): the V3."""
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("tcp", marks=pytest.mark.slow),  # the relay: dense models test it by default
+        pytest.param(
+            "nixl", marks=pytest.mark.skipif(not installed("nixl"), reason="nixl missing")
+        ),
+    ],
+)
+def pd_workers(request, checkpoints, tmp_path_factory):
+    """prefill (TP=1), decode (TP=2, expert parallel), both (TP=1, the reference): the V3, the
+    latents over tcp (rank 0's relay) or nixl (each decode rank reads them, UCX over TCP)."""
     log_dir = tmp_path_factory.mktemp("deepseek-pd")
     start = functools.partial(start_worker, log_dir, model=str(checkpoints["deepseek-v3"]))
     common = ("--num-kv-blocks", "256", "--max-num-batched-tokens", "64")
+    transport = ("--kv-transport", request.param)
     starts = {
-        "prefill": functools.partial(start, "--role", "prefill", *common),
-        "decode": functools.partial(start, "--role", "decode", *common,
+        "prefill": functools.partial(start, "--role", "prefill", *transport, *common),
+        "decode": functools.partial(start, "--role", "decode", *transport, *common,
                                     "--tensor-parallel-size", "2", "--enable-expert-parallel",
                                     "--kv-load-failure-policy", "fail"),  # no silent recompute
         "both": functools.partial(start, "--role", "both", *common),
     }  # fmt: skip
-    with running_processes(starts) as workers:
-        yield workers
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UCX_TLS", os.environ.get("UCX_TLS", "tcp"))  # no RDMA here: UCX over TCP
+        with running_processes(starts) as workers:
+            yield workers
 
 
-@pytest.mark.slow
 def test_pd_to_an_expert_parallel_decode_matches_a_colocated_worker(pd_workers):
     prefill, decode = pd_workers["prefill"].url, pd_workers["decode"].url
     with httpx.Client() as client:
