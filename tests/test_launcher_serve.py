@@ -241,6 +241,7 @@ def test_a_crashed_worker_is_restarted_and_the_cluster_stays_up(launch):
     wait_until_gone(children, timeout=5)
 
 
+@pytest.mark.slow  # 16 s; by default the supervisor's own test of the same line (fake_cluster)
 def test_a_worker_that_cannot_start_is_named(launch, tmp_path):
     config = tmp_path / "cluster.yaml"
     config.write_text(

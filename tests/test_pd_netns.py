@@ -122,8 +122,11 @@ def stop(process: subprocess.Popen) -> None:
 
 
 TRANSPORTS = [
-    pytest.param(name, marks=pytest.mark.skipif(not installed(name), reason=f"{name} missing"))
-    for name in ("tcp", "nixl", "mooncake")
+    pytest.param("tcp", marks=pytest.mark.slow),  # 22 s; the libraries' cases run by default
+    *(
+        pytest.param(name, marks=pytest.mark.skipif(not installed(name), reason=f"{name} missing"))
+        for name in ("nixl", "mooncake")
+    ),
 ]
 
 

@@ -168,6 +168,7 @@ def test_64_concurrent_streams_complete(cluster):
     assert all(text and finish in ("length", "stop") for text, finish in results)
 
 
+@pytest.mark.slow  # 39 s, a second cluster; the pd server itself: tests/test_pd_one_server.py
 def test_serve_pd_servers_alone_match_colocated(cluster, tmp_path):
     """`tandem serve --prefill 0 --decode 0 --pd 1`: the router over one pd server (a prefill
     and a decode engine behind one API server) as a colocated worker answers as the colocated
