@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 
 import torch
+from attention_triton import time_ms  # this script's folder is on sys.path when it runs
 
 from tandem.attention.base import AttentionMetadata
 
@@ -61,21 +61,6 @@ def make_batches(
         q = torch.randn(batch, HEADS, WIDTH, device=device, dtype=dtype)
         copies.append((q, metadata))
     return cache, copies
-
-
-def time_ms(run_round: Callable[[], None], calls_per_round: int, rounds: int = 5) -> float:
-    """Median over rounds of (CUDA-event time of one round) / calls_per_round."""
-    run_round()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run_round()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls_per_round)
-    return statistics.median(times)
 
 
 def copy_rate_gbps() -> float:

@@ -14,14 +14,12 @@ path (`latent_attention` over the gathered latents).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+
+from triton_interpreter import run_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -83,18 +81,7 @@ CHECK = textwrap.dedent(
 
 
 def test_mla_decode_kernel_matches_torch_in_the_interpreter():
-    source = Path(__file__).resolve().parent.parent / "src"
-    tests = Path(__file__).resolve().parent
-    paths = [str(source), str(tests), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(paths))
-    script = (
-        "from triton_interpreter import patch_interpreter_index\npatch_interpreter_index()\n"
-        + CHECK
-        + "\nrun('cpu', torch.float32, 1e-5)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_in_interpreter(CHECK + "\nrun('cpu', torch.float32, 1e-5)\n")
     assert result.returncode == 0, result.stderr[-3000:]
 
 

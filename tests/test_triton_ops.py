@@ -3,14 +3,12 @@ interpreter (in a subprocess, so the setting does not leak), and on a GPU in bfl
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+
+from triton_interpreter import run_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -81,19 +79,7 @@ CHECK = textwrap.dedent(
 
 
 def test_fused_kernels_match_torch_in_the_interpreter():
-    source = Path(__file__).resolve().parent.parent / "src"
-    tests = Path(__file__).resolve().parent
-    env = dict(
-        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(source), str(tests)])
-    )
-    script = (
-        "from triton_interpreter import patch_interpreter_index\npatch_interpreter_index()\n"
-        + CHECK
-        + "\nrun('cpu', torch.float32, 1e-5)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_in_interpreter(CHECK + "\nrun('cpu', torch.float32, 1e-5)\n")
     assert result.returncode == 0, result.stderr[-3000:]
 
 
