@@ -164,6 +164,7 @@ def test_the_flag_and_the_shipped_configs():
         ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 128, 0),
         ("mixtral-8x7b", "MixtralForCausalLM", 8, 0),
         ("deepseek-v2-lite", "DeepseekV2ForCausalLM", 64, 1),
+        ("deepseek-v3", "DeepseekV3ForCausalLM", 256, 3),
     )
     for name, architecture, experts, dense in shipped:
         hf = json.loads((SHIPPED_CONFIGS / f"{name}.json").read_text())
