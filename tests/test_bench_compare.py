@@ -1,5 +1,6 @@
 """`tandem bench compare`'s parts without a cluster: the configurations it plans, the goodput
-per configuration and rate, the summary table and the picture's lines."""
+per configuration and rate, the summary table, the picture's lines and the router's decisions
+read from its metrics."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import pytest
 from rich.console import Console
 
 from tandem.bench.client import RequestRecord
-from tandem.bench.compare import clusters_for
+from tandem.bench.compare import clusters_for, router_decisions
 from tandem.bench.metrics import compute_metrics
 from tandem.bench.plot import result_figure
 from tandem.bench.report import print_comparison_summary
 from tandem.bench.results import ResultSet, comparison_rows
 from tandem.cli import build_parser
+from tandem.router.metrics import RouterMetrics
 
 
 def compare_args(*flags: str) -> argparse.Namespace:
@@ -167,3 +169,18 @@ def test_an_unlimited_rate_is_the_last_tick_of_the_goodput_panel() -> None:
     (goodput_axis, *_) = result_figure(sets, goodput_panel=True).axes
     assert list(goodput_axis.lines[0].get_xdata()) == [0.0, 1.0, 2.0]
     assert [tick.get_text() for tick in goodput_axis.get_xticklabels()] == ["0.5", "2.0", "inf"]
+
+
+def test_the_router_s_decisions_are_read_from_its_metrics():
+    """What a router counted (its own metrics object, rendered as /metrics serves it) comes back
+    keyed by label; a counter it never counted is an empty dict."""
+    metrics = RouterMetrics()
+    assert router_decisions(metrics.render().decode()) == {"pd_decisions": {}, "role_changes": {}}
+    metrics.pd_decisions.labels("disaggregated", "long_prompt").inc(5)
+    metrics.pd_decisions.labels("whole", "short_prompt").inc(2)
+    metrics.role_changes.labels("prefill").inc()
+    metrics.requests.labels("completions", "ok").inc(7)  # not a decision
+    assert router_decisions(metrics.render().decode()) == {
+        "pd_decisions": {"disaggregated/long_prompt": 5.0, "whole/short_prompt": 2.0},
+        "role_changes": {"prefill": 1.0},
+    }

@@ -452,6 +452,7 @@ def test_compare_runs_three_configurations_and_stops_them(tmp_path: Path) -> Non
     assert [entry["label"] for entry in summary["configurations"]] == list(labels)
     for entry, launch in zip(summary["configurations"], launches, strict=True):
         assert entry["command"][-len(launch["argv"]) :] == launch["argv"]
+        assert entry["router_decisions"] is None  # the fake serves no /metrics: none to read
     rows = {(row["configuration"], row["request_rate"]): row for row in summary["rows"]}
     assert len(rows) == 6
     for rate in (20.0, 40.0):

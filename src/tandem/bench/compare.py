@@ -13,8 +13,10 @@ For each chosen configuration in turn: start `tandem serve` in its own process g
 `GET /health` == 200 on the router port, run the sweep of `tandem bench serve`, then stop the
 whole group (SIGINT, then SIGTERM, then SIGKILL, each after a grace period). Only one cluster runs
 at a time, so all get the same hardware. Writes RESULT_DIR/<label>*.json, <label>-serve.log,
-compare.json (configuration x load: req/s, goodput, TTFT and TPOT p99, and the commands) and the
-picture (goodput against load, TTFT and TPOT against throughput), and prints the summary table.
+compare.json (configuration x load: req/s, goodput, TTFT and TPOT p99, the commands, and what
+each cluster's router decided over its sweep: requests served disaggregated or whole, by reason,
+and the planner's role changes) and the picture (goodput against load, TTFT and TPOT against
+throughput), and prints the summary table.
 
 Invariant: a cluster this command started is stopped before the command returns, whatever
 happened in between.
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.bench.errors import BenchError
 from tandem.bench.plot import plot_result_sets
@@ -152,6 +155,38 @@ def running_cluster(
             stop_group(process)
 
 
+ROUTER_DECISIONS = {  # compare.json's key -> the router's counter and the labels that key it
+    "pd_decisions": ("tandem_router_pd_decisions", ("decision", "reason")),
+    "role_changes": ("tandem_router_role_changes", ("duty",)),
+}
+
+
+def router_decisions(metrics_text: str) -> dict[str, dict[str, float]]:
+    """The router's decision counters in a /metrics text: {"pd_decisions": {"disaggregated/
+    long-prompt": n, ...}, "role_changes": {"prefill": n, ...}} (only the labels it counted)."""
+    families = {family.name: family for family in text_string_to_metric_families(metrics_text)}
+    decisions: dict[str, dict[str, float]] = {}
+    for key, (name, labels) in ROUTER_DECISIONS.items():
+        family = families.get(name)
+        samples = family.samples if family is not None else []
+        decisions[key] = {
+            "/".join(sample.labels[label] for label in labels): sample.value
+            for sample in samples
+            if sample.name == f"{name}_total"
+        }
+    return decisions
+
+
+def scrape_router_decisions(base_url: str) -> dict[str, dict[str, float]] | None:
+    """What the router at base_url decided so far (None: its /metrics did not answer)."""
+    try:
+        response = httpx.get(f"{base_url}/metrics", timeout=10.0)
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return router_decisions(response.text)
+
+
 def serve_command_of(args: argparse.Namespace) -> list[str]:
     if args.serve_command:
         return shlex.split(args.serve_command)
@@ -163,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
     console = make_console()
     result_dir = Path(args.result_dir)
     tokenizer = load_tokenizer(args.tokenizer)
-    result_sets, commands = [], {}
+    result_sets, commands, decisions = [], {}, {}
     for cluster in clusters_for(args, result_dir):
         port = args.port or free_port()
         base_url = f"http://127.0.0.1:{port}"
@@ -191,6 +226,8 @@ def main(args: argparse.Namespace) -> int:
         log_path = result_dir / f"{cluster.label}-serve.log"
         with running_cluster(command, base_url, log_path, args.startup_timeout):
             outcome = asyncio.run(run_sweep(options, tokenizer, console))
+            decisions[cluster.label] = scrape_router_decisions(base_url)
+        console.print(f"{cluster.label}: the router decided {decisions[cluster.label]}")
         result_sets.append(ResultSet(cluster.label, outcome.results))
         commands[cluster.label] = command
     rows = comparison_rows(result_sets)
@@ -198,7 +235,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.goodput:
         console.print("no goodput without SLOs: pass --goodput ttft:MS tpot:MS")
     summary_path = result_dir / "compare.json"
-    write_json(summary_path, comparison_summary(result_sets, commands, rows))
+    write_json(summary_path, comparison_summary(result_sets, commands, rows, decisions))
     output = Path(args.output) if args.output else result_dir / "compare.png"
     plot_result_sets(result_sets, output, args.title, args.x_metric, goodput_panel=True)
     console.print(f"wrote {summary_path}")

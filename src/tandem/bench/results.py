@@ -151,16 +151,22 @@ def comparison_summary(
     result_sets: Sequence[ResultSet],
     commands: dict[str, list[str]],
     rows: Sequence[dict[str, Any]],
+    decisions: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The content of compare.json: what ran (model, SLOs, each configuration's command) and
-    the rows of `comparison_rows`."""
+    """The content of compare.json: what ran (model, SLOs, each configuration's command and what
+    its router decided over the sweep) and the rows of `comparison_rows`."""
+    decisions = decisions or {}
     points = [point for result_set in result_sets for point in result_set.points]
     first = points[0] if points else {}
     return {
         "model_id": first.get("model_id"),
         "goodput_slos_ms": first.get("goodput_slos_ms"),
         "configurations": [
-            {"label": result_set.label, "command": commands.get(result_set.label)}
+            {
+                "label": result_set.label,
+                "command": commands.get(result_set.label),
+                "router_decisions": decisions.get(result_set.label),
+            }
             for result_set in result_sets
         ],
         "rows": list(rows),
