@@ -18,15 +18,13 @@ def make_connectors(config: KVTransferConfig) -> ConnectorFactory:
     both sides over one control plane."""
 
     def build(kv_spec, device: torch.device) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-        from tandem.kv.connector.metadata import TransferShape, kv_layout
-        from tandem.kv.connector.rank_reads import ReadyReads
-        from tandem.kv.connector.ranks import ReadyInstalls
+        from tandem.kv.connector.metadata import ForNextStep, TransferShape, kv_layout
         from tandem.kv.connector.scheduler import PDConnectorScheduler
         from tandem.kv.connector.worker import PDConnectorWorker
         from tandem.kv.control.plane import ControlPlane
 
         control = ControlPlane(config)
-        shape, installs, reads = TransferShape(kv_layout(kv_spec)), ReadyInstalls(), ReadyReads()
+        shape, installs, reads = TransferShape(kv_layout(kv_spec)), ForNextStep(), ForNextStep()
         try:
             worker = PDConnectorWorker(config, kv_spec, device, control, shape, installs, reads)
         except BaseException:

@@ -4,9 +4,14 @@ it on with the rest of the step."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from tandem.kv.params import KVTransferParams
+
+Spec = TypeVar("Spec")  # a spec with a request_id: InstallSpec, RankReadSpec
+Kept = TypeVar("Kept")
 
 
 @dataclass
@@ -79,3 +84,29 @@ def kv_layout(kv_spec, num_kv_heads: int | None = None) -> str:
         return f"{kv_spec.num_layers}xlatent{kv_spec.latent[0]}+{kv_spec.latent[1]}:{dtype}"
     heads = kv_spec.num_kv_heads if num_kv_heads is None else num_kv_heads
     return f"{kv_spec.num_layers}x2x{heads}x{kv_spec.head_dim}:{dtype}"
+
+
+class ForNextStep(Generic[Spec, Kept]):
+    """What rank 0 of a tensor-parallel engine hands every rank through the next step's
+    metadata (relayed installs, per-rank reads): a load thread adds a spec with what rank 0
+    keeps for it, the scheduler side lists the specs added since (`take_ready`), and rank 0's
+    worker side takes back what it kept for a request in that step (`take_kept`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ready: list[Spec] = []
+        self.kept: dict[str, Kept] = {}
+
+    def add(self, spec: Spec, kept: Kept) -> None:
+        with self.lock:
+            self.ready.append(spec)
+            self.kept[spec.request_id] = kept
+
+    def take_ready(self) -> list[Spec]:
+        with self.lock:
+            ready, self.ready = self.ready, []
+        return ready
+
+    def take_kept(self, request_id: str) -> Kept:
+        with self.lock:
+            return self.kept.pop(request_id)

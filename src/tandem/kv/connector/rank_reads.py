@@ -7,7 +7,7 @@ them (tcp keeps rank 0's relay instead: kv/connector/ranks.py).
              (`RankReads.exchange`), whose kv_transfer_params carry one per rank with the head
              range it holds (kv_rank_exports); nothing is staged, and rank 0 holds the lease
     decode:  rank 0's load waits for the announcement and holds the lease, then lists the read
-             for the next step (`ReadyReads` -> KVConnectorMetadata.reads); every rank starts
+             for the next step (`ForNextStep` -> KVConnectorMetadata.reads); every rank starts
              its reads there (`start_rank_reads`); each step while reads are in flight, every
              rank makes one all_reduce(MIN) of their states in metadata order (`RankReads.poll`):
              a read has ended once it ended on every rank, failed if it failed on any (the
@@ -176,32 +176,6 @@ class ReadsTogether:
             lambda: max((part.wait_copied() for part in parts), default=0.0),
             lambda: all(part.copy_done() for part in parts),
         )
-
-
-class ReadyReads:
-    """Rank 0's loads that every rank must now read: its load threads add them, the scheduler
-    side lists them in the next step's metadata, and rank 0's worker side calls each one's
-    `on_ended(failure kind or None)` once every rank's reads of it have ended."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ready: list[RankReadSpec] = []
-        self.pending: dict[str, Callable[[str | None], None]] = {}
-
-    def add(self, spec: RankReadSpec, on_ended: Callable[[str | None], None]) -> None:
-        with self.lock:
-            self.ready.append(spec)
-            self.pending[spec.request_id] = on_ended
-
-    def take_ready(self) -> list[RankReadSpec]:
-        with self.lock:
-            ready, self.ready = self.ready, []
-        return ready
-
-    def ended(self, request_id: str, failure: str | None) -> None:
-        with self.lock:
-            on_ended = self.pending.pop(request_id)
-        on_ended(failure)
 
 
 @dataclass

@@ -21,8 +21,6 @@ every rank: rank 0 broadcasts it with the step).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -51,33 +49,6 @@ class RankLayout:
     @property
     def size(self) -> int:
         return len(self.starts)
-
-
-class ReadyInstalls:
-    """Rank 0's reads that every rank must still install: the worker side adds them (a read
-    thread), the scheduler side lists them in the next step's metadata, and rank 0's worker
-    side takes each back in that step to install it and then report the load."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ready: list[InstallSpec] = []
-        self.pending: dict[str, tuple[list[torch.Tensor], Callable[[], None]]] = {}
-
-    def add(
-        self, spec: InstallSpec, layers: list[torch.Tensor], installed: Callable[[], None]
-    ) -> None:
-        with self.lock:
-            self.ready.append(spec)
-            self.pending[spec.request_id] = (layers, installed)
-
-    def take_ready(self) -> list[InstallSpec]:
-        with self.lock:
-            ready, self.ready = self.ready, []
-        return ready
-
-    def take_pending(self, request_id: str) -> tuple[list[torch.Tensor], Callable[[], None]]:
-        with self.lock:
-            return self.pending.pop(request_id)
 
 
 class HeadRelay:

@@ -19,9 +19,13 @@ from typing import TYPE_CHECKING
 
 from tandem.kv.config import KVTransferConfig
 from tandem.kv.connector.base import KVConnectorScheduler, RequestView
-from tandem.kv.connector.metadata import KVConnectorMetadata, LoadSpec, SaveSpec, TransferShape
-from tandem.kv.connector.rank_reads import ReadyReads
-from tandem.kv.connector.ranks import ReadyInstalls
+from tandem.kv.connector.metadata import (
+    ForNextStep,
+    KVConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    TransferShape,
+)
 from tandem.kv.control.plane import ControlPlane
 from tandem.kv.params import KVTransferParams, to_wire
 
@@ -40,8 +44,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         kv_spec,
         control: ControlPlane,
         shape: TransferShape,
-        installs: ReadyInstalls,
-        reads: ReadyReads,
+        installs: ForNextStep,
+        reads: ForNextStep,
     ) -> None:
         self.config = config
         self.recompute_on_failure = config.load_failure_policy == "recompute"

@@ -32,6 +32,7 @@ from tandem.engine.outputs import HandedOffToken, KVConnectorOutput
 from tandem.kv.config import KVTransferConfig
 from tandem.kv.connector.base import KVConnectorWorker, RankKVTransfer
 from tandem.kv.connector.metadata import (
+    ForNextStep,
     InstallSpec,
     KVConnectorMetadata,
     LoadSpec,
@@ -39,8 +40,8 @@ from tandem.kv.connector.metadata import (
     TransferShape,
     kv_layout,
 )
-from tandem.kv.connector.rank_reads import RankReads, ReadyReads, load_failure, start_rank_reads
-from tandem.kv.connector.ranks import HeadRelay, ReadyInstalls, install_shards
+from tandem.kv.connector.rank_reads import RankReads, load_failure, start_rank_reads
+from tandem.kv.connector.ranks import HeadRelay, install_shards
 from tandem.kv.control.client import Hold
 from tandem.kv.control.plane import ControlPlane
 from tandem.kv.data import data_plane_class
@@ -81,8 +82,8 @@ class PDConnectorWorker(KVConnectorWorker):
         device: torch.device,
         control: ControlPlane,
         shape: TransferShape,
-        installs: ReadyInstalls,
-        reads: ReadyReads,
+        installs: ForNextStep,  # of InstallSpec: rank 0's host layers, then its report
+        reads: ForNextStep,  # of RankReadSpec: what to call once every rank's reads ended
     ) -> None:
         self.config = config
         self.kv_spec = kv_spec
@@ -165,13 +166,13 @@ class PDConnectorWorker(KVConnectorWorker):
         if metadata is None:
             return
         for install in metadata.installs:  # every rank takes its heads of rank 0's reads
-            layers, installed = self.installs.take_pending(install.request_id)
+            layers, installed = self.installs.take_kept(install.request_id)
             install_shards(self.relay, self.plane.kv_cache, install, layers)
             installed()
         if self.rank_reads is not None:  # every rank starts its reads, then all poll them
             self.rank_reads.start(metadata.reads)
             for request_id, failure in self.rank_reads.poll():
-                self.ready_reads.ended(request_id, failure)
+                self.ready_reads.take_kept(request_id)(failure)
         with self.lock:
             for request_id in metadata.abandoned:
                 if request_id in self.loading:
@@ -270,11 +271,11 @@ class PDConnectorWorker(KVConnectorWorker):
             return
         if self.relay is not None:  # every rank installs its heads first, in the next step
             install = InstallSpec(spec.request_id, spec.local_block_ids)
-            self.installs.add(
-                install,
-                read.host_layers,
-                lambda: self._report(spec, remote, handed_off, num_bytes=num_bytes),
-            )
+
+            def report() -> None:
+                self._report(spec, remote, handed_off, num_bytes=num_bytes)
+
+            self.installs.add(install, (read.host_layers, report))
             self.control.record_seconds(time.monotonic() - started)
             self.control.wakeup()
             return
