@@ -1,9 +1,10 @@
 """Tensor parallelism on GPUs: the Llama-3.1-8B shape (dummy weights, bf16) at TP=1 and TP=2.
 
-    python benchmarks/tensor_parallel.py --out tp.json
+    python benchmarks/tensor_parallel.py --out tp.json [--configs tp1 tp2 tp2-nccl tp2-eager]
 
-For each configuration (TP=1 with decode CUDA graphs, TP=2 with them, TP=2 eager), in a process of
-its own so each starts on empty GPUs: the wall time of one 8192-token prefill step and of one
+For each configuration (TP=1 with decode CUDA graphs; TP=2 with them, its small all-reduces over
+peer memory; the same with every all-reduce on NCCL; TP=2 eager), in a process of its own so each
+starts on empty GPUs: the wall time of one 8192-token prefill step and of one
 decode step at batch 1 (context 128 to 288), medians after warm-up, and the decode step against
 its roofline: the bytes one rank reads per step (its weight shard and its KV heads) over the
 measured device copy bandwidth. Prints the table, with TP=2 over TP=1 for both steps.
@@ -27,7 +28,13 @@ from tandem.engine.core import EngineCore
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 
-CONFIGS = {"tp1": (1, False), "tp2": (2, False), "tp2-eager": (2, True)}
+# name: (tensor-parallel size, enforce_eager, disable_custom_all_reduce)
+CONFIGS = {
+    "tp1": (1, False, False),
+    "tp2": (2, False, False),
+    "tp2-nccl": (2, False, True),
+    "tp2-eager": (2, True, False),
+}
 PROMPT = 8192
 
 
@@ -51,7 +58,7 @@ def rank0_decode_bytes(core: EngineCore, context: int) -> int:
 
 
 def measure(name: str) -> dict:
-    size, eager = CONFIGS[name]
+    size, eager, nccl_only = CONFIGS[name]
     bandwidth = copy_bandwidth()
     core = EngineCore(
         EngineConfig(
@@ -60,6 +67,7 @@ def measure(name: str) -> dict:
             device="cuda:0",
             tensor_parallel_size=size,
             enforce_eager=eager,
+            disable_custom_all_reduce=nccl_only,
             max_num_batched_tokens=PROMPT,
             max_num_seqs=8,
             max_model_len=16384,
@@ -104,13 +112,14 @@ def measure(name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child)))
         return
     results = {}
-    for name in CONFIGS:
+    for name in args.configs:
         done = subprocess.run(
             [sys.executable, __file__, "--child", name], capture_output=True, text=True
         )
@@ -125,7 +134,7 @@ def main() -> None:
             f"{row['decode_roofline_fraction']:>14.2f}"
         )
     if "tp1" in results:
-        for name in ("tp2", "tp2-eager"):
+        for name in ("tp2", "tp2-nccl", "tp2-eager"):
             if name in results:
                 prefill = results[name]["prefill_8192_ms"] / results["tp1"]["prefill_8192_ms"]
                 decode = results[name]["decode_step_b1_ms"] / results["tp1"]["decode_step_b1_ms"]

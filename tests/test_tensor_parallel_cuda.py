@@ -1,16 +1,21 @@
-"""Tensor parallelism on two CUDA GPUs (NCCL): greedy output at TP=2 identical to transformers and
-to TP=1, with the decode CUDA graphs (their collectives captured) and without; and PD from a
-prefill worker at TP=1 to a decode worker at TP=2 over tcp, token-identical to a colocated
-worker, with nothing held afterwards. Skipped without two GPUs."""
+"""Tensor parallelism on two CUDA GPUs (NCCL): the group's sums (peer memory for small ones,
+NCCL for the rest) equal to the sum of the inputs, eager and in a CUDA graph; greedy output at
+TP=2 identical to transformers and to TP=1, with the decode CUDA graphs (their collectives
+captured) and without, and with every all-reduce on NCCL; and PD from a prefill worker at TP=1
+to a decode worker at TP=2 over tcp, token-identical to a colocated worker, with nothing held
+afterwards. Skipped without two GPUs."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from pd_fixtures import assert_nothing_held
 from tandem import LLM, SamplingParams
+from tandem.distributed import group
+from tandem.distributed.group import PEER_MEMORY_MAX_BYTES, host_store, join_group
 from test_cuda_engine import PROMPTS, greedy_body, hf_greedy
 from worker_fixtures import running_worker
 
@@ -22,6 +27,70 @@ pytestmark = [
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 ENGINE = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 2048}
+HIDDEN = 4096
+# rows of bf16 sums: a decode step's (peer memory) and a prompt's (over PEER_MEMORY_MAX_BYTES: NCCL)
+SUM_ROWS = [1, 64, 1024]
+
+
+def rank_input(rank: int, rows: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(rank * 1000 + rows)
+    return torch.randn(rows, HIDDEN, generator=generator).to(torch.bfloat16)
+
+
+def group_sums(rank: int, address, results) -> None:
+    """On GPU `rank`: the group's sum of every SUM_ROWS input, eager, and the 1-row sum taken
+    eight times over in one CUDA graph (each sum the next one's input); or the error."""
+    try:
+        results.put((rank, *rank_sums(rank, address)))
+    except Exception as exc:
+        results.put((rank, repr(exc), None, None))
+
+
+def rank_sums(rank: int, address) -> tuple:
+    torch.cuda.set_device(rank)
+    tp = join_group(rank, 2, address, torch.device("cuda", rank), None, torch.bfloat16)
+    # float32 numpy (exact for bf16): plain pickles, not tensors shared through a descriptor
+    # that the child's exit may close before the parent takes it
+    sums = {
+        rows: tp.all_reduce(rank_input(rank, rows).cuda()).float().cpu().numpy()
+        for rows in SUM_ROWS
+    }
+    x = rank_input(rank, 1).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture
+        tp.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(8):
+            y = tp.all_reduce(y)
+    graph.replay()
+    return tp.peer_memory is not None, sums, y.float().cpu().numpy()
+
+
+def test_the_groups_sums_equal_the_sum_of_the_inputs():
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    store, address = host_store(2)  # the ranks rendezvous on it
+    ranks = [context.Process(target=group_sums, args=(r, address, results)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    by_rank = {rank: rest for rank, *rest in (results.get(timeout=120) for _ in ranks)}
+    for process in ranks:
+        process.join(60)
+    assert SUM_ROWS[-1] * HIDDEN * 2 > PEER_MEMORY_MAX_BYTES  # the last sum goes through NCCL
+    for peer_memory, sums, chained in by_rank.values():
+        assert peer_memory is True, peer_memory  # else the error
+        for rows in SUM_ROWS:  # two bf16 addends: every path rounds their exact sum alike
+            expected = (rank_input(0, rows).float() + rank_input(1, rows).float()).bfloat16()
+            assert torch.equal(torch.from_numpy(sums[rows]).bfloat16(), expected), rows
+        expected = rank_input(0, 1).float() + rank_input(1, 1).float()
+        for _ in range(7):
+            expected = expected.bfloat16().float() * 2
+        assert torch.equal(torch.from_numpy(chained).bfloat16(), expected.bfloat16())
+    del store
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
@@ -31,13 +100,20 @@ def test_tp2_on_two_gpus_matches_transformers_and_tp1(shape, eager, tiny_checkpo
     prompts = PROMPTS[:16]
     expected, hf_model = hf_greedy(model, prompts, torch.float32)
     del hf_model
+    first_group = not group._peer_memory_set_up  # peer memory in a process's first group only
     tp2 = LLM(model, **ENGINE, tensor_parallel_size=2, enforce_eager=eager)
     assert (tp2.core.executor.rank.runner.decode_graphs is None) == eager
+    assert (tp2.core.executor.tp.peer_memory is not None) == first_group
     got = [o.outputs[0].token_ids for o in tp2.generate(prompts, GREEDY)]
     tp2.core.shutdown()
     assert got == expected
     tp1 = LLM(model, **ENGINE)
     assert [o.outputs[0].token_ids for o in tp1.generate(prompts, GREEDY)] == got
+    tp1.core.shutdown()
+    nccl = LLM(model, **ENGINE, tensor_parallel_size=2, disable_custom_all_reduce=True)
+    assert nccl.core.executor.tp.peer_memory is None
+    assert [o.outputs[0].token_ids for o in nccl.generate(prompts, GREEDY)] == got
+    nccl.core.shutdown()
 
 
 def test_pd_from_tp1_prefill_to_tp2_decode_matches_colocated(tmp_path, tiny_checkpoints):

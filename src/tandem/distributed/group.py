@@ -15,18 +15,33 @@ in the same order with the same shapes: every rank runs the same forward on the 
 
 A rank that dies makes gloo's pending collective raise at once ("Connection closed by peer");
 NCCL's would wait, so the executor's monitor aborts the group (`abort`).
+
+On CUDA a sum of at most PEER_MEMORY_MAX_BYTES (a decode step's, one row per sequence) goes
+through `PeerMemoryAllReduce` instead of NCCL: one kernel that reads every rank's copy over
+NVLink (torch's symmetric memory, one-shot), about a third of NCCL's time at these sizes
+(benchmarks/all_reduce.py). `--disable-custom-all-reduce` (vLLM's flag) keeps NCCL for all.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 # A collective that waits this long means a rank is stuck or gone: it raises instead.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+# Sums up to this size read the peers' copies directly; larger ones (a prompt's) go through NCCL,
+# whose ring is faster once the bytes, not the latency, dominate.
+PEER_MEMORY_MAX_BYTES = 1 << 20
+# Whether this process has set up peer memory for a group already. A second setup in the same
+# process waits forever in torch's rendezvous against freshly started ranks (seen on 2 x H200,
+# torch 2.11: an engine started after another in one process), so a second group stays on NCCL.
+_peer_memory_set_up = False
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,7 @@ class TensorParallelGroup:
     size: int
     process_group: dist.ProcessGroup | None = None  # None for size 1
     expert_parallel: bool = False  # experts placed whole on the ranks
+    peer_memory: PeerMemoryAllReduce | None = None  # small sums on CUDA, when set up
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -52,9 +68,13 @@ class TensorParallelGroup:
         return self.rank == 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The elementwise sum over the ranks, in place."""
-        if self.size > 1:
-            self.process_group.allreduce([tensor]).wait()
+        """The elementwise sum over the ranks: in place, or a new tensor when the peer-memory
+        path takes it (callers use the returned tensor)."""
+        if self.size == 1:
+            return tensor
+        if self.peer_memory is not None and self.peer_memory.takes(tensor):
+            return self.peer_memory(tensor)
+        self.process_group.allreduce([tensor]).wait()
         return tensor
 
     def gather_on_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -82,6 +102,89 @@ class TensorParallelGroup:
             abort()
 
 
+class PeerMemoryAllReduce:
+    """Sums of small tensors of one dtype through a buffer that every rank maps (symmetric
+    memory): each rank copies its tensor into its buffer, then every rank adds all the buffers
+    over NVLink, in one kernel with a barrier on the way in and out (so one buffer serves one
+    sum after another, and CUDA graphs capture it). Set up collectively by `join_group`."""
+
+    def __init__(self, name: str, group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = group  # torch's registry holds it weakly: it lives as long as this does
+        symm_mem.rendezvous(buffer, name)  # collective: maps every rank's buffer
+        self.name = name
+        self.buffer = buffer
+
+    def takes(self, tensor: torch.Tensor) -> bool:
+        return (
+            tensor.dtype == self.buffer.dtype
+            and tensor.numel() <= self.buffer.numel()
+            and tensor.is_contiguous()
+        )
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        flat = tensor.view(-1)
+        out = torch.empty_like(flat)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(
+            self.buffer[: flat.numel()], flat, "sum", self.name, out
+        )
+        return out.view_as(tensor)
+
+
+def set_up_peer_memory(
+    tp: TensorParallelGroup, name: str, store: dist.Store, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Give a CUDA group the peer-memory path when every pair of its GPUs can map each other's
+    memory and every rank could allocate its buffer; otherwise its sums all stay on NCCL. The
+    ranks agree (one NCCL all-reduce) before the collective rendezvous, so none waits alone.
+    Once per process: a later group in the same process (tests, a restarted engine) stays on
+    NCCL."""
+    global _peer_memory_set_up
+    devices = [device.index - tp.rank + rank for rank in range(tp.size)]
+    with torch.cuda.device(device):
+        ready, group, buffer = True, None, None
+        if _peer_memory_set_up:
+            logger.info("tensor parallelism: peer memory is set up once per process, NCCL here")
+            ready = False
+        elif not all(
+            torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices if a != b
+        ):
+            logger.info("tensor parallelism: no peer access between the GPUs, all-reduces on NCCL")
+            ready = False
+        else:
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
+
+                group = register_by_name(name, tp, dist.PrefixStore("peer-memory", store))
+                numel = PEER_MEMORY_MAX_BYTES // dtype.itemsize
+                buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+            except (RuntimeError, ImportError) as exc:
+                logger.warning("tensor parallelism: all-reduces on NCCL (peer memory: %s)", exc)
+                ready = False
+        agreed = torch.tensor([int(ready)], device=device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        tp.process_group.allreduce([agreed], options).wait()
+        if agreed.item():
+            _peer_memory_set_up = True
+            tp.peer_memory = PeerMemoryAllReduce(name, group, buffer)
+
+
+def register_by_name(name: str, tp: TensorParallelGroup, store: dist.Store) -> dist.ProcessGroup:
+    """Make the group's NCCL backend a c10d process group that torch finds by `name` (symmetric
+    memory looks its group up so), as `torch.distributed.new_group` would register it."""
+    from torch._C._distributed_c10d import _register_process_group
+
+    group = dist.ProcessGroup(store, tp.rank, tp.size)
+    nccl = dist.ProcessGroup.BackendType.NCCL
+    group._set_default_backend(nccl)
+    group._register_backend(torch.device("cuda"), nccl, tp.process_group)
+    group._set_group_name(name)
+    _register_process_group(name, group)
+    return group
+
+
 def host_store(size: int) -> tuple[dist.TCPStore, StoreAddress]:
     """Rank 0's rendezvous store on a free loopback port, which the other ranks join."""
     store = dist.TCPStore(
@@ -96,8 +199,10 @@ def join_group(
     address: StoreAddress,
     device: torch.device,
     store: dist.TCPStore | None = None,
+    peer_memory_dtype: torch.dtype | None = None,
 ) -> TensorParallelGroup:
-    """This rank's group (NCCL on CUDA, gloo on the CPU); rank 0 passes the store it hosts."""
+    """This rank's group (NCCL on CUDA, gloo on the CPU); rank 0 passes the store it hosts.
+    With `peer_memory_dtype` on CUDA, small sums of that dtype take the peer-memory path."""
     if store is None:
         store = dist.TCPStore(
             address.host, address.port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT
@@ -106,7 +211,11 @@ def join_group(
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
-        group = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    else:
-        group = dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
-    return TensorParallelGroup(rank, size, group)
+        tp = TensorParallelGroup(rank, size, dist.ProcessGroupNCCL(prefixed, rank, size, options))
+        if peer_memory_dtype is not None:
+            name = f"tandem-tp-{address.host}:{address.port}"  # the same on every rank
+            set_up_peer_memory(tp, name, store, device, peer_memory_dtype)
+        return tp
+    return TensorParallelGroup(
+        rank, size, dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
+    )

@@ -183,6 +183,12 @@ def add_engine_arguments(parser: argparse._ActionsContainer) -> None:
         help="place a mixture-of-experts model's experts whole on the tensor-parallel ranks "
         "(N must divide the experts) instead of splitting every expert over them",
     )
+    parallel.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="on CUDA, sum every tensor-parallel all-reduce through NCCL; by default sums of "
+        "up to 1 MiB (a decode step's) read each GPU's copy over NVLink in one kernel",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, command: str):
@@ -213,6 +219,7 @@ def engine_config_from_args(args: argparse.Namespace, command: str):
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
     )
 
 

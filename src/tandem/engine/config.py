@@ -55,6 +55,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # a mixture-of-experts model's experts placed whole on the ranks instead of each split
     enable_expert_parallel: bool = False
+    # on CUDA, every all-reduce through NCCL (not small ones over peer memory)
+    disable_custom_all_reduce: bool = False
 
     def resolved(self) -> EngineConfig:
         """Replace every "auto" by what it means on this machine, and check the values."""

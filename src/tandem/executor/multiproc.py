@@ -51,6 +51,7 @@ from tandem.executor.rank import (
     RankMessage,
     RankReply,
     Shutdown,
+    peer_memory_dtype,
     rank_device,
 )
 from tandem.executor.runner import KVCacheSpec
@@ -94,7 +95,8 @@ class MultiprocExecutor(Executor):
         )
         try:
             self._wait_replies("start")
-            self.tp = join_group(0, size, address, rank_device(config, 0), store)
+            device = rank_device(config, 0)
+            self.tp = join_group(0, size, address, device, store, peer_memory_dtype(config))
             self.monitor.tp = self.tp
             self.rank = Rank(config, source, self.tp)
             self._wait_replies("load its shard of the model")

@@ -61,6 +61,11 @@ class RankReply(msgspec.Struct):
 REPLY_DECODER = msgspec.msgpack.Decoder(RankReply)
 
 
+def peer_memory_dtype(config: EngineConfig) -> torch.dtype | None:
+    """The dtype whose small all-reduces go over peer memory (`join_group`), or None."""
+    return None if config.disable_custom_all_reduce else getattr(torch, config.dtype)
+
+
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     """Rank r's device: the CPU, or the r-th GPU from the configured one."""
     device = torch.device(config.device)

@@ -32,6 +32,7 @@ from tandem.executor.rank import (
     Rank,
     RankReply,
     Shutdown,
+    peer_memory_dtype,
     rank_device,
 )
 from tandem.kv.connector.base import KVConnectorWorker, NoKVConnectorWorker, RankKVTransfer
@@ -73,7 +74,8 @@ def run_rank(
 
     try:
         reply()  # started: joining the group
-        tp = join_group(rank, size, store_address, rank_device(config, rank))
+        device = rank_device(config, rank)
+        tp = join_group(rank, size, store_address, device, None, peer_memory_dtype(config))
         model_rank = Rank(config, source, tp)
     except Exception as exc:
         logger.error("rank %d failed to start:\n%s", rank, traceback.format_exc())
