@@ -68,7 +68,25 @@ CHECK = textwrap.dedent(
                                    msg=lambda message: f"{case}: {message}")
         return num_splits(metadata, heads, q.device)
 
+    def check_store(device, dtype):
+        '''store_latents' kernel against the torch store: latents of 300 tokens into scattered
+        slots, a third of them -1 (stored nowhere), into a poisoned cache.'''
+        from tandem.attention.triton_mla import store_latents as store_kernel
+        from tandem.models.layers.mla import store_latents
+
+        generator = torch.Generator().manual_seed(5)
+        for width in (80, 576):
+            slots = torch.randperm(64 * 16, generator=generator)[:300]
+            slots[torch.rand(300, generator=generator) < 0.33] = -1
+            latents = torch.randn(300, width, generator=generator).to(device, dtype)
+            cache = torch.randn(2, 64, 16, 1, width // 2, generator=generator).to(device, dtype)
+            expected = cache.clone()
+            store_latents(expected, latents, slots.to(device))
+            store_kernel(cache, latents, slots.to(device))
+            assert torch.equal(cache, expected), width
+
     def run(device, dtype, atol):
+        check_store(device, dtype)
         for heads in (1, 4, 16):
             for lens in ([1], [15], [16], [17], [100], [17, 1, 100, 16, 15]):
                 for splits in (1, 4):
@@ -99,10 +117,10 @@ def test_mla_decode_kernel_matches_torch_on_gpu():
 @pytest.mark.parametrize("shape", ["deepseek-v2-lite", "deepseek-v3"])
 def test_greedy_decode_on_cuda_matches_the_cpu_engine(shape, tmp_path):
     from tandem import LLM, SamplingParams
-    from tandem.models.layers.mla import paged_latent_attention
+    from tandem.models.layers.mla import paged_kernels
     from tiny_models import make_checkpoint, varied_prompts
 
-    assert paged_latent_attention() is not None
+    assert paged_kernels() is not None
     directory = str(make_checkpoint(shape, tmp_path / shape))
     prompts = varied_prompts(seed=41)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -110,6 +128,8 @@ def test_greedy_decode_on_cuda_matches_the_cpu_engine(shape, tmp_path):
     for device in ("cpu", "cuda"):
         llm = LLM(directory, device=device, dtype="float32", num_kv_blocks=512, block_size=8)
         try:
+            if device == "cuda":  # the fused kernels, decode steps replayed from CUDA graphs
+                assert llm.core.executor.runner.decode_graphs is not None
             outputs = llm.generate(prompts, greedy)
             tokens[device] = [output.outputs[0].token_ids for output in outputs]
         finally:

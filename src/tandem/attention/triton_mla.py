@@ -16,6 +16,8 @@ read once per key tile, and the c tile serves as both key and value.
                         output (normalised within the split) and its log-sum-exp (base 2)
     mla_combine_kernel  grid (B, heads), only when splits > 1: the used splits of a context
                         combined by log-sum-exp into the output
+    store_latents_kernel  grid (T,): each token's latent into its cache slot (slot -1: none),
+                        with no host sync, so the decode CUDA graphs capture it
 
 Invariants: a context is cut into splits by its own length in whole key tiles, so splits past it
 write nothing and the combine reads only the used ones; a sequence with no query token (padding)
@@ -320,3 +322,59 @@ def mla_decode(
             **options,
         )
     return out
+
+
+@triton.jit
+def store_latents_kernel(
+    latents_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    stride_latents,
+    stride_cache_plane,
+    stride_cache_block,
+    stride_cache_token,
+    HALF: tl.constexpr,
+    HALF_POW2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:
+        slot = slot.to(tl.int64)
+        dims = tl.arange(0, HALF_POW2)
+        valid = dims < HALF
+        row = latents_ptr + token.to(tl.int64) * stride_latents
+        target = (
+            cache_ptr
+            + (slot // BLOCK_SIZE) * stride_cache_block
+            + (slot % BLOCK_SIZE) * stride_cache_token
+        )
+        first = tl.load(row + dims, mask=valid)
+        second = tl.load(row + HALF + dims, mask=valid)
+        tl.store(target + dims, first.to(cache_ptr.dtype.element_ty), mask=valid)
+        tl.store(
+            target + stride_cache_plane + dims, second.to(cache_ptr.dtype.element_ty), mask=valid
+        )
+
+
+def store_latents(
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, 1, D / 2]
+    latents: torch.Tensor,  # [T, D]
+    slot_mapping: torch.Tensor,  # [T]; -1: not stored
+) -> None:
+    """`tandem.models.layers.mla.store_latents` in one kernel, without its host sync."""
+    half = layer_cache.shape[-1]
+    if latents.stride(-1) != 1 or layer_cache.stride(-1) != 1:
+        raise ValueError("the latents' and the MLA cache's last dimensions must be contiguous")
+    store_latents_kernel[(latents.shape[0],)](
+        latents,
+        layer_cache,
+        slot_mapping,
+        latents.stride(0),
+        layer_cache.stride(0),
+        layer_cache.stride(1),
+        layer_cache.stride(2),
+        HALF=half,
+        HALF_POW2=triton.next_power_of_2(half),
+        BLOCK_SIZE=layer_cache.shape[2],
+    )

@@ -146,7 +146,12 @@ class ModelRunner:
                 model, self.kv_cache, cuda_graph_max_batch, max_seq_len, kv_spec.block_size
             )
         self.piecewise_graphs = None
-        if device.type == "cuda" and model.fused_ops and piecewise_graph_max_tokens >= 16:
+        if (
+            device.type == "cuda"
+            and model.fused_ops
+            and model.piecewise_capturable
+            and piecewise_graph_max_tokens >= 16
+        ):
             from tandem.executor.piecewise_graphs import PiecewiseGraphs
 
             self.piecewise_graphs = PiecewiseGraphs(

@@ -46,6 +46,9 @@ class CausalLM(Protocol):
     backend: AttentionBackend
     fused_ops: bool  # built with the fused Triton kernels (CUDA only)
     tp: TensorParallelGroup  # this rank's tensor-parallel group
+    # its staged forward fits the piecewise CUDA graphs' buffers (queries and attention output
+    # [T, heads, head_dim]); latent attention's do not
+    piecewise_capturable: bool
 
     @property
     def dtype(self) -> torch.dtype: ...

@@ -14,7 +14,7 @@ number of layers; DeepSeek-V3 ships one) are not part of this decoder and are sk
 
 The KV cache holds one latent per token and layer (see the MLA module): the layout's one KV
 head of (kv_lora_rank + qk_rope_head_dim) / 2 values in each of the two planes, whole on every
-rank. The whole model runs its torch path (no fused kernels) on every device.
+rank. On CUDA the norms, MLPs and experts take the fused kernels as the other decoders do.
 """
 
 from __future__ import annotations
@@ -46,21 +46,26 @@ class DeepseekMoE(SparseMoeBlock):
     """The routed experts plus the shared ones: [T, hidden] -> [T, hidden], summed over the
     ranks."""
 
-    def __init__(self, config: ModelConfig, moe: MoEConfig, tp: TensorParallelGroup) -> None:
-        super().__init__(config.hidden_size, moe, False, tp)
+    def __init__(
+        self, config: ModelConfig, moe: MoEConfig, fused: bool, tp: TensorParallelGroup
+    ) -> None:
+        super().__init__(config.hidden_size, moe, fused, tp)
         shared_rows = moe.intermediate_size * moe.num_shared_experts
-        self.shared_experts = LlamaMLP(replace(config, intermediate_size=shared_rows), False, tp)
+        self.shared_experts = LlamaMLP(replace(config, intermediate_size=shared_rows), fused, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + self.shared_experts(x)
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, mlp: nn.Module) -> None:
+    def __init__(
+        self, config: ModelConfig, fused: bool, tp: TensorParallelGroup, mlp: nn.Module
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.self_attn = MultiHeadLatentAttention(config, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.mlp = mlp
 
 
@@ -70,15 +75,19 @@ class DeepseekModel(nn.Module):
         config, tp = model.config, model.tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, tp, model.build_mlp(index))
+            DeepseekDecoderLayer(config, model.fused_ops, tp, model.build_mlp(index))
             for index in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, model.fused_ops)
         self.rotary = MLARotary(config)
 
 
 class DeepseekForCausalLM(MoeForCausalLM):
-    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (fused_ops is ignored: torch path)."""
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM. With fused_ops (CUDA): the Triton norms,
+    MLPs and experts, and MLA's kernels; decode steps then replay CUDA graphs (no host sync in
+    the pass), prompts run eagerly (the piecewise graphs' buffers do not fit latent attention)."""
+
+    piecewise_capturable = False
 
     def __init__(
         self,
@@ -93,7 +102,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
                 f"kv_lora_rank + qk_rope_head_dim is {mla.kv_lora_rank + mla.qk_rope_head_dim}; "
                 "tandem's latent KV cache needs an even width"
             )
-        super().__init__(config, backend, False, tp)
+        super().__init__(config, backend, fused_ops, tp)
 
     def build_model(self) -> nn.Module:
         return DeepseekModel(self)
@@ -101,8 +110,14 @@ class DeepseekForCausalLM(MoeForCausalLM):
     def build_mlp(self, index: int) -> nn.Module:
         moe = self.config.moe
         if moe is None or index not in moe.sparse_layers:
-            return LlamaMLP(self.config, False, self.tp)
-        return DeepseekMoE(self.config, moe, self.tp)
+            return LlamaMLP(self.config, self.fused_ops, self.tp)
+        return DeepseekMoE(self.config, moe, self.fused_ops, self.tp)
+
+    def forward_context(
+        self, positions: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> ForwardContext:
+        """MLA ropes its parts itself, fused or not: the angles always."""
+        return ForwardContext(positions, slot_mapping, self.model.rotary.cos_sin(positions))
 
     def kv_cache_layout(self) -> KVCacheLayout:
         mla = self.config.mla

@@ -175,6 +175,8 @@ class LlamaForCausalLM(nn.Module):
     """fused_ops: use the fused Triton kernels of `triton_ops` (CUDA only); tp: this rank's
     tensor-parallel group (default: one rank)."""
 
+    piecewise_capturable = True
+
     def __init__(
         self,
         config: ModelConfig,

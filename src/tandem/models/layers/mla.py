@@ -17,7 +17,8 @@ Attention either decompresses each sequence's gathered latents into per-head key
 up-projection into the queries (decode-only batches): q_nope W_UK attends over the latents as
 one shared KV head, and the result leaves through W_UV. Both are the same function (a test
 holds them equal). On CUDA with Triton the absorbed form is a kernel reading the latents in
-place (`tandem.attention.triton_mla`); elsewhere the torch path gathers them (the oracle).
+place and the latents are stored by a kernel (`tandem.attention.triton_mla`: no host sync, so
+the decode CUDA graphs capture the layer); elsewhere the torch path gathers them (the oracle).
 
 Rotary embedding touches the rope parts only, on DeepSeek's interleaved pairs (or on halves
 where a V3 config sets rope_interleave false), with YaRN scaling: its attention factor scales
@@ -186,13 +187,14 @@ def latent_attention(
 
 
 @functools.cache
-def paged_latent_attention() -> Callable[..., torch.Tensor] | None:
-    """The Triton kernel of the absorbed form (`triton_mla.mla_decode`), None without Triton."""
+def paged_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., None]] | None:
+    """The Triton kernels of the absorbed form and of the latents' store (`triton_mla`'s
+    mla_decode and store_latents), None without Triton."""
     try:
-        from tandem.attention.triton_mla import mla_decode
+        from tandem.attention import triton_mla
     except ImportError:
         return None
-    return mla_decode
+    return triton_mla.mla_decode, triton_mla.store_latents
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -242,10 +244,10 @@ class MultiHeadLatentAttention(nn.Module):
         )
         k_rope = rotate(k_rope[:, None, :], context.cos_sin, mla.rope_interleave)[:, 0]
         q_rope = rotate(q_rope, context.cos_sin, mla.rope_interleave)
-        store_latents(
-            layer_cache, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1),
-            context.slot_mapping,
-        )  # fmt: skip
+        latents = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)
+        kernels = paged_kernels() if layer_cache.is_cuda else None
+        store = store_latents if kernels is None else kernels[1]  # the kernel: no host sync
+        store(layer_cache, latents, context.slot_mapping)
         return (torch.cat((q_nope, q_rope), dim=-1),)
 
     def attend(
@@ -287,9 +289,9 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = self.up_projections()
         q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         queries = torch.cat((torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope), dim=-1)
-        paged_kernel = paged_latent_attention()
-        if layer_cache.is_cuda and paged_kernel is not None:
-            attended = paged_kernel(queries, layer_cache, metadata, scale, mla.kv_lora_rank)
+        kernels = paged_kernels() if layer_cache.is_cuda else None
+        if kernels is not None:
+            attended = kernels[0](queries, layer_cache, metadata, scale, mla.kv_lora_rank)
         else:
             latents = gather_latents(layer_cache, metadata)
             attended = latent_attention(queries, latents, metadata, scale, mla.kv_lora_rank)
