@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -97,6 +97,59 @@ def run_steps_until_done(core: EngineCore) -> None:
         core.step()
 
 
+def random_requests(core: EngineCore, seed: int = 0) -> Callable[[str, int, int], Request]:
+    """request(request_id, prompt length, max_tokens): greedy, EOS ignored, the prompt's token
+    ids drawn from one generator seeded once."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def request(request_id: str, length: int, max_tokens: int) -> Request:
+        ids = torch.randint(0, core.model_config.vocab_size, (length,), generator=generator)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return Request(request_id, ids.tolist(), params, max_total_tokens=core.max_model_len)
+
+    return request
+
+
+def prefill_step_s(core: EngineCore, request, length: int, rounds: int = 4) -> float:
+    """Median host seconds of the step that prefills a `length`-token prompt, over `rounds`
+    prompts after the first (a warm-up), each run to its end before the next."""
+    times = []
+    for index in range(rounds):
+        core.add_request(request(f"prefill-{index}", length, 1))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+        run_steps_until_done(core)
+    return statistics.median(times[1:])
+
+
+def measure_in_children(script: str, names: Iterable[str]) -> dict[str, dict]:
+    """`script --child NAME` for each name, each in a process of its own (so each starts on
+    empty GPUs): its last line of output, JSON; a child that fails is printed and left out."""
+    results = {}
+    for name in names:
+        done = subprocess.run(
+            [sys.executable, script, "--child", name], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            print(f"{name} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+            continue
+        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    return results
+
+
+def step_times_until_done(core: EngineCore) -> list[float]:
+    """Host seconds of every step until the engine has no work, the device synchronised first."""
+    times = []
+    while core.has_work():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def roofline(limits: dict) -> dict:
     core = EngineCore(
         EngineConfig(
@@ -110,24 +163,11 @@ def roofline(limits: dict) -> dict:
         )
     )
     config = core.model_config
-    generator = torch.Generator().manual_seed(0)
-
-    def request(request_id: str, length: int, max_tokens: int) -> Request:
-        ids = torch.randint(0, config.vocab_size, (length,), generator=generator).tolist()
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return Request(request_id, ids, params, max_total_tokens=core.max_model_len)
+    request = random_requests(core)
 
     # prefill of 8192 tokens: one step
     num_prompt = 8192
-    prefill_times = []
-    for index in range(4):
-        core.add_request(request(f"prefill-{index}", num_prompt, 1))
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        core.step()
-        prefill_times.append(time.perf_counter() - start)
-        run_steps_until_done(core)
-    prefill_s = statistics.median(prefill_times[1:])
+    prefill_s = prefill_step_s(core, request, num_prompt)
     lm_head_params = config.vocab_size * config.hidden_size
     linear_flops = 2 * (weight_bytes(core, decode=True) // 2 - lm_head_params)
     attention_flops = 4 * config.num_layers * config.num_heads * config.head_dim
@@ -138,13 +178,7 @@ def roofline(limits: dict) -> dict:
     # decode at batch 1 with a 128-token context
     core.add_request(request("decode", 128, 160))
     core.step()
-    step_times = []
-    while core.has_work():
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        core.step()
-        step_times.append(time.perf_counter() - start)
-    decode_s = statistics.median(step_times[10:])
+    decode_s = statistics.median(step_times_until_done(core)[10:])
     graph = core.executor.runner.decode_graphs.graphs[
         1
     ]  # GPU time alone: forward + logits, batch 1

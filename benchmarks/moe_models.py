@@ -23,18 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import torch
-from gpu_suite import ceilings  # this script's folder is on sys.path when it runs
+from gpu_suite import (  # this script's folder is on sys.path when it runs
+    ceilings,
+    measure_in_children,
+    prefill_step_s,
+    random_requests,
+    step_times_until_done,
+)
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
-from tandem.engine.request import Request
-from tandem.engine.sampling_params import SamplingParams
 
 MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b"]
 PROMPT, DECODE_PROMPT, DECODE_TOKENS, BATCHES = 8192, 128, 160, (1, 64)
@@ -89,23 +89,8 @@ def measure(model: str) -> dict:
             gpu_memory_utilization=0.85,
         )
     )
-    generator = torch.Generator().manual_seed(0)
-
-    def request(request_id: str, length: int, max_tokens: int) -> Request:
-        ids = torch.randint(0, core.model_config.vocab_size, (length,), generator=generator)
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return Request(request_id, ids.tolist(), params, max_total_tokens=core.max_model_len)
-
-    prefill_times = []
-    for index in range(4):
-        core.add_request(request(f"prefill-{index}", PROMPT, 1))
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        core.step()
-        prefill_times.append(time.perf_counter() - start)
-        while core.has_work():
-            core.step()
-    prefill_s = statistics.median(prefill_times[1:])
+    request = random_requests(core)
+    prefill_s = prefill_step_s(core, request, PROMPT)
     result = {
         "ceilings": limits,
         "prefill_8192_ms": prefill_s * 1e3,
@@ -117,13 +102,7 @@ def measure(model: str) -> dict:
         for index in range(batch):
             core.add_request(request(f"decode-{batch}-{index}", DECODE_PROMPT, DECODE_TOKENS))
         core.step()  # every prompt in one step (batch x 128 tokens <= 8192)
-        step_times = []
-        while core.has_work():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            core.step()
-            step_times.append(time.perf_counter() - start)
-        step_s = statistics.median(step_times[10 : DECODE_TOKENS - 10])
+        step_s = statistics.median(step_times_until_done(core)[10 : DECODE_TOKENS - 10])
         touched = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** batch)
         context = DECODE_PROMPT + DECODE_TOKENS // 2
         read = weight_bytes(core, touched) + batch * context * core.kv_spec.bytes_per_token
@@ -148,15 +127,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child)))
         return
-    results = {}
-    for model in args.models:
-        done = subprocess.run(
-            [sys.executable, __file__, "--child", model], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            print(f"{model} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
-            continue
-        results[model] = json.loads(done.stdout.strip().splitlines()[-1])
+    results = measure_in_children(__file__, args.models)
     print("| model | prefill 8192 ms | TFLOP/s (fraction of matmul) | decode b1 ms (roofline "
           "fraction) | decode b64 ms (roofline fraction) |")  # fmt: skip
     print("|---|---|---|---|---|")

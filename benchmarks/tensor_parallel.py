@@ -15,18 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
-from gpu_suite import cuda_time  # this script's folder is on sys.path when it runs
+from gpu_suite import (  # this script's folder is on sys.path when it runs
+    cuda_time,
+    measure_in_children,
+    prefill_step_s,
+    random_requests,
+    step_times_until_done,
+)
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
-from tandem.engine.request import Request
-from tandem.engine.sampling_params import SamplingParams
 
 # name: (tensor-parallel size, enforce_eager, disable_custom_all_reduce)
 CONFIGS = {
@@ -74,35 +75,15 @@ def measure(name: str) -> dict:
             gpu_memory_utilization=0.85,
         )
     )
-    generator = torch.Generator().manual_seed(0)
-
-    def request(request_id: str, length: int, max_tokens: int) -> Request:
-        ids = torch.randint(0, core.model_config.vocab_size, (length,), generator=generator)
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return Request(request_id, ids.tolist(), params, max_total_tokens=core.max_model_len)
-
-    prefill_times = []
-    for index in range(4):
-        core.add_request(request(f"prefill-{index}", PROMPT, 1))
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        core.step()
-        prefill_times.append(time.perf_counter() - start)
-        while core.has_work():
-            core.step()
+    request = random_requests(core)
+    prefill_s = prefill_step_s(core, request, PROMPT)
     core.add_request(request("decode", 128, 160))
     core.step()
-    step_times = []
-    while core.has_work():
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        core.step()
-        step_times.append(time.perf_counter() - start)
-    decode_s = statistics.median(step_times[10:])
+    decode_s = statistics.median(step_times_until_done(core)[10:])
     roofline_s = rank0_decode_bytes(core, 128 + 80) / bandwidth
     core.shutdown()
     return {
-        "prefill_8192_ms": statistics.median(prefill_times[1:]) * 1e3,
+        "prefill_8192_ms": prefill_s * 1e3,
         "decode_step_b1_ms": decode_s * 1e3,
         "decode_roofline_ms": roofline_s * 1e3,
         "decode_roofline_fraction": roofline_s / decode_s,
@@ -118,15 +99,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child)))
         return
-    results = {}
-    for name in args.configs:
-        done = subprocess.run(
-            [sys.executable, __file__, "--child", name], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            print(f"{name} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
-            continue
-        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    results = measure_in_children(__file__, args.configs)
     print(f"{'config':<10} {'prefill 8192 ms':>16} {'decode b1 ms':>13} {'roofline frac':>14}")
     for name, row in results.items():
         print(
