@@ -1,8 +1,7 @@
 """Triton decode attention for DeepSeek's latent attention (MLA), absorbed form, on the paged cache.
 
-A decode-only batch (one query token per sequence) attends as one shared KV head of width
-D = kv_lora_rank + qk_rope_head_dim, read straight from the layer's cache through the block
-tables (nothing is gathered):
+A decode-only batch (one query token per sequence) attends as one shared KV head of width D =
+kv_lora_rank + qk_rope_head_dim, read from the layer's cache through the block tables in place:
 
     query  q [T, heads, D] = [q_nope W_UK | q_rope]      latent of a token = [c | k_rope]
     score  = q · latent * scale      out [T, heads, kv_lora_rank] = softmax(scores) · c
@@ -16,14 +15,13 @@ read once per key tile, and the c tile serves as both key and value.
                         output (normalised within the split) and its log-sum-exp (base 2)
     mla_combine_kernel  grid (B, heads), only when splits > 1: the used splits of a context
                         combined by log-sum-exp into the output
-    store_latents_kernel  grid (T,): each token's latent into its cache slot (slot -1: none),
-                        with no host sync, so the decode CUDA graphs capture it
+    store_latents_kernel  grid (T,): each token's latent into its slot (-1: none), no host sync
 
 Invariants: a context is cut into splits by its own length in whole key tiles, so splits past it
 write nothing and the combine reads only the used ones; a sequence with no query token (padding)
-is skipped; launch shapes depend on tensor shapes and `metadata.max_seq_len` only (no host sync).
-Inputs are in the cache's dtype (q is cast to it, as the torch path does); softmax and
-accumulation are fp32 (fp32 caches use exact fp32 dots); the output has q's dtype.
+is skipped; launch shapes depend on tensor shapes and `metadata.max_seq_len` only (no host sync:
+CUDA graphs capture them). Inputs are in the cache's dtype (q is cast to it, as the torch path
+does); softmax and accumulation are fp32 (fp32 caches use exact fp32 dots); output in q's dtype.
 """
 
 from __future__ import annotations

@@ -16,9 +16,8 @@ Attention either decompresses each sequence's gathered latents into per-head key
 (batches with a prompt chunk: the cheaper form when queries are many), or absorbs the
 up-projection into the queries (decode-only batches): q_nope W_UK attends over the latents as
 one shared KV head, and the result leaves through W_UV. Both are the same function (a test
-holds them equal). On CUDA with Triton the absorbed form is a kernel reading the latents in
-place and the latents are stored by a kernel (`tandem.attention.triton_mla`: no host sync, so
-the decode CUDA graphs capture the layer); elsewhere the torch path gathers them (the oracle).
+holds them equal). On CUDA with Triton, kernels read the latents in place and store them
+(`tandem.attention.triton_mla`, no host sync); elsewhere the torch path gathers them (the oracle).
 
 Rotary embedding touches the rope parts only, on DeepSeek's interleaved pairs (or on halves
 where a V3 config sets rope_interleave false), with YaRN scaling: its attention factor scales
