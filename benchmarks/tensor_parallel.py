@@ -5,9 +5,11 @@
 For each configuration (TP=1 with decode CUDA graphs; TP=2 with them, its small all-reduces over
 peer memory; the same with every all-reduce on NCCL; TP=2 eager), in a process of its own so each
 starts on empty GPUs: the wall time of one 8192-token prefill step and of one
-decode step at batch 1 (context 128 to 288), medians after warm-up, and the decode step against
-its roofline: the bytes one rank reads per step (its weight shard and its KV heads) over the
-measured device copy bandwidth. Prints the table, with TP=2 over TP=1 for both steps.
+decode step at batch 1 (context 128 to 288), medians after warm-up, the GPU time of rank 0's
+decode graph within the step (CUDA events around its replay; the rest of the step is the host's),
+and the decode step against its roofline: the bytes one rank reads per step (its weight shard
+and its KV heads) over the measured device copy bandwidth. Prints the table, with TP=2 over TP=1
+for both steps.
 """
 
 from __future__ import annotations
@@ -58,6 +60,25 @@ def rank0_decode_bytes(core: EngineCore, context: int) -> int:
     return total + context * core.kv_spec.bytes_per_token
 
 
+def timed_replays(core: EngineCore) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+    """CUDA events around each replay of rank 0's batch-1 decode graph from now on: the GPU's
+    time for the pass (under TP, waits for the other ranks at its collectives included)."""
+    executor = core.executor
+    runner = executor.rank.runner if hasattr(executor, "rank") else executor.runner
+    graph = runner.decode_graphs.graphs[1]
+    replay, events = graph.replay, []
+
+    def timed_replay() -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        events.append((start, end))
+
+    graph.replay = timed_replay
+    return events
+
+
 def measure(name: str) -> dict:
     size, eager, nccl_only = CONFIGS[name]
     bandwidth = copy_bandwidth()
@@ -79,12 +100,15 @@ def measure(name: str) -> dict:
     prefill_s = prefill_step_s(core, request, PROMPT)
     core.add_request(request("decode", 128, 160))
     core.step()
+    replays = [] if eager else timed_replays(core)
     decode_s = statistics.median(step_times_until_done(core)[10:])
+    replay_ms = [start.elapsed_time(end) for start, end in replays[10:]]
     roofline_s = rank0_decode_bytes(core, 128 + 80) / bandwidth
     core.shutdown()
     return {
         "prefill_8192_ms": prefill_s * 1e3,
         "decode_step_b1_ms": decode_s * 1e3,
+        "decode_graph_gpu_ms": statistics.median(replay_ms) if replay_ms else None,
         "decode_roofline_ms": roofline_s * 1e3,
         "decode_roofline_fraction": roofline_s / decode_s,
     }
@@ -100,10 +124,13 @@ def main() -> None:
         print(json.dumps(measure(args.child)))
         return
     results = measure_in_children(__file__, args.configs)
-    print(f"{'config':<10} {'prefill 8192 ms':>16} {'decode b1 ms':>13} {'roofline frac':>14}")
+    print(f"{'config':<10} {'prefill 8192 ms':>16} {'decode b1 ms':>13} {'graph GPU ms':>13} "
+          f"{'roofline frac':>14}")  # fmt: skip
     for name, row in results.items():
+        gpu_ms = row["decode_graph_gpu_ms"]
         print(
             f"{name:<10} {row['prefill_8192_ms']:>16.1f} {row['decode_step_b1_ms']:>13.2f} "
+            f"{'-' if gpu_ms is None else f'{gpu_ms:.2f}':>13} "
             f"{row['decode_roofline_fraction']:>14.2f}"
         )
     if "tp1" in results:
