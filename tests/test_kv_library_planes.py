@@ -102,15 +102,23 @@ def destination(request) -> Iterator:
     plane.close()
 
 
-def test_block_regions_copy_what_an_index_copy_does():
+@pytest.mark.parametrize(
+    "remote_ids, local_ids, runs",
+    [
+        ([5, 6, 7, 20, 3, 4], [0, 1, 2, 3, 9, 10], 3),  # 5-7, 20, 3-4: breaks on either side
+        ([8, 7, 6, 30, 12, 11], [20, 19, 18, 2, 5, 4], 3),  # descending on both: 8-6, 30, 12-11
+        ([4, 5, 6, 9, 8], [3, 2, 1, 10, 11], 5),  # one side up, the other down: no run
+        ([1, 2, 3, 22, 21], [7, 8, 9, 4, 3], 2),  # 1-3 up, then 22-21 down against 4-3
+    ],
+)
+def test_block_regions_copy_what_an_index_copy_does(remote_ids, local_ids, runs):
     source, target = torch.randn(*SHAPE), torch.zeros(*SHAPE)
-    remote_ids, local_ids = [5, 6, 7, 20, 3, 4], [0, 1, 2, 3, 9, 10]  # runs, breaks on either side
     block_bytes = source[0, 0, 0].numel() * 4
     regions = block_regions(
         target.data_ptr(), SHAPE[2], local_ids, source.data_ptr(), SHAPE[2], remote_ids,
         SHAPE[0] * 2, block_bytes,
     )  # fmt: skip
-    assert len(regions) == SHAPE[0] * 2 * 3  # three runs per plane: 5-7, 20, 3-4
+    assert len(regions) == SHAPE[0] * 2 * runs
     source_bytes = source.view(torch.uint8).view(-1).numpy()
     target_bytes = target.view(torch.uint8).view(-1).numpy()
     for local, remote, length in regions.astype(np.int64):
@@ -130,6 +138,7 @@ def test_two_process_block_reads_match_a_torch_copy(destination):
         for remote_ids, local_ids, first_block in [
             ([4, 5, 6, 7], [10, 11, 12, 13], 0),
             ([30, 2, 17, 8, 9, 1], [1, 3, 5, 6, 7], 1),  # the first block was cached locally
+            ([9, 8, 7, 3], [15, 14, 13, 0], 0),  # a descending run on both sides
         ]:
             read = destination.start_read(
                 block_source(exported, remote_ids), local_ids, first_block
