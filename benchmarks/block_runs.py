@@ -1,5 +1,5 @@
 """How many regions the library planes (nixl, mooncake) read per prompt in steady serving, where
-the engine's block pools have been reused many times, against a fresh cache and scattered ids.
+the engine's block pools have been reused many times, against scattered ids (one a block).
 
 Two of the engine's own block pools (`BlockPool`, prefix caching off) stand for a prefill and a
 decode worker. Requests arrive one by one: the prefill side takes the prompt's blocks at once and
@@ -7,8 +7,8 @@ frees them (last first, as the KV cache manager does) once the decode side has i
 decode side takes the prompt's blocks at once, one more block every 16 generated tokens while up
 to `--running` requests decode in turns, and frees all of a request's blocks when it ends. For
 every prompt after the warm-up, the regions of one plane (per layer and K or V) that
-`block_regions` makes: runs consecutive on both sides merged, ascending only (the rule before)
-and ascending or descending (the rule now). Counts, not times: deterministic for a seed.
+`block_regions` makes (runs consecutive on both sides merged). Counts, not times: deterministic
+for a seed.
 
     python benchmarks/block_runs.py [--requests 2000] [--running 32]
 """
@@ -19,19 +19,10 @@ import argparse
 import random
 import statistics
 
-import numpy as np
-
 from tandem.engine.block_pool import BlockPool
 from tandem.kv.data.registered import block_regions
 
 BLOCK_SIZE = 16
-
-
-def ascending_runs(local_ids: list[int], remote_ids: list[int]) -> int:
-    """Regions per plane under the ascending-only rule."""
-    local, remote = np.asarray(local_ids), np.asarray(remote_ids)
-    breaks = (np.diff(local) != 1) | (np.diff(remote) != 1)
-    return 1 + int(breaks.sum())
 
 
 def regions_per_plane(local_ids: list[int], remote_ids: list[int]) -> int:
@@ -42,7 +33,7 @@ def simulate(args: argparse.Namespace) -> dict[str, list[int]]:
     rng = random.Random(args.seed)
     prefill, decode = BlockPool(args.blocks), BlockPool(args.blocks)
     running: list[dict] = []  # each: its decode blocks, tokens so far, tokens to go
-    counts: dict[str, list[int]] = {"blocks": [], "ascending only": [], "both directions": []}
+    counts: dict[str, list[int]] = {"blocks": [], "regions": []}
     for index in range(args.requests):
         prompt = rng.randint(args.min_prompt, args.max_prompt)
         num_blocks = -(-prompt // BLOCK_SIZE)
@@ -51,8 +42,7 @@ def simulate(args: argparse.Namespace) -> dict[str, list[int]]:
         remote_ids, local_ids = [b.block_id for b in remote], [b.block_id for b in local]
         if index >= args.warmup:
             counts["blocks"].append(num_blocks)
-            counts["ascending only"].append(ascending_runs(local_ids, remote_ids))
-            counts["both directions"].append(regions_per_plane(local_ids, remote_ids))
+            counts["regions"].append(regions_per_plane(local_ids, remote_ids))
         prefill.free(reversed(remote))
         running.append({"blocks": local, "tokens": prompt, "left": args.output})
         while len(running) >= args.running:  # decode steps until one request ends
@@ -84,10 +74,10 @@ def main() -> None:
           "pool")  # fmt: skip
     print("| regions per plane and prompt | median | mean | p90 |")
     print("|---|---|---|---|")
-    for name in ("blocks", "ascending only", "both directions"):
+    for name in ("blocks", "regions"):
         values = sorted(counts[name])
         p90 = values[int(0.9 * (len(values) - 1))]
-        label = "scattered ids (one per block)" if name == "blocks" else name
+        label = "scattered ids (one per block)" if name == "blocks" else "the pools' blocks"
         print(f"| {label} | {statistics.median(values):.0f} | {statistics.mean(values):.1f} | "
               f"{p90} |")  # fmt: skip
 

@@ -67,10 +67,18 @@ def test_allocate_and_free_track_ref_counts():
     assert pool.num_used_blocks == 5  # still held once
     pool.free(first)
     assert pool.num_used_blocks == 3
-    # Freed blocks join the back of the queue: 5 (never used), then 0, 1.
-    assert [b.block_id for b in pool.allocate(3)] == [5, 0, 1]
+    # Freed blocks join the back of the queue: 5 (never used), then 0, 1; handed out by id.
+    assert [b.block_id for b in pool.allocate(3)] == [0, 1, 5]
     with pytest.raises(RuntimeError, match="asked for 1 blocks, 0 free"):
         pool.allocate(1)
+
+
+def test_allocation_takes_the_oldest_free_blocks_in_ascending_ids():
+    pool = BlockPool(8)
+    blocks = pool.allocate(8)
+    pool.free([blocks[i] for i in (6, 2, 7, 3, 5, 4, 1, 0)])  # freed in this order
+    assert [b.block_id for b in pool.allocate(4)] == [2, 3, 6, 7]  # the four freed first
+    assert [b.block_id for b in pool.allocate(4)] == [0, 1, 4, 5]
 
 
 def test_freeing_more_than_allocated_raises():
@@ -221,7 +229,7 @@ def test_tail_is_evicted_before_the_shared_prefix():
     kv.free("b")  # then 5, 4, 1, 0
     assert list(kv.pool.free_queue) == [3, 2, 5, 4, 1, 0]
     taken = [b.block_id for b in kv.pool.allocate(4)]
-    assert taken == [3, 2, 5, 4]
+    assert taken == [2, 3, 4, 5]  # the four tails, by id
     # The shared prefix survived every tail.
     probe = make_request("c", shared + [0])
     assert [b.block_id for b in kv.get_computed_blocks(probe)] == [0, 1]

@@ -106,9 +106,9 @@ def destination(request) -> Iterator:
     "remote_ids, local_ids, runs",
     [
         ([5, 6, 7, 20, 3, 4], [0, 1, 2, 3, 9, 10], 3),  # 5-7, 20, 3-4: breaks on either side
-        ([8, 7, 6, 30, 12, 11], [20, 19, 18, 2, 5, 4], 3),  # descending on both: 8-6, 30, 12-11
+        ([8, 7, 6, 30, 12, 11], [20, 19, 18, 2, 5, 4], 6),  # descending: a region a block
         ([4, 5, 6, 9, 8], [3, 2, 1, 10, 11], 5),  # one side up, the other down: no run
-        ([1, 2, 3, 22, 21], [7, 8, 9, 4, 3], 2),  # 1-3 up, then 22-21 down against 4-3
+        ([1, 2, 3, 22, 21], [7, 8, 9, 4, 3], 3),  # 1-3 up, then 22 and 21 down
     ],
 )
 def test_block_regions_copy_what_an_index_copy_does(remote_ids, local_ids, runs):
@@ -138,7 +138,7 @@ def test_two_process_block_reads_match_a_torch_copy(destination):
         for remote_ids, local_ids, first_block in [
             ([4, 5, 6, 7], [10, 11, 12, 13], 0),
             ([30, 2, 17, 8, 9, 1], [1, 3, 5, 6, 7], 1),  # the first block was cached locally
-            ([9, 8, 7, 3], [15, 14, 13, 0], 0),  # a descending run on both sides
+            ([9, 8, 7, 3], [15, 14, 13, 0], 0),  # descending on both sides: block by block
         ]:
             read = destination.start_read(
                 block_source(exported, remote_ids), local_ids, first_block

@@ -72,6 +72,9 @@ class BlockPool:
         return self.num_blocks - len(self.free_queue)
 
     def allocate(self, count: int) -> list[Block]:
+        """The `count` oldest free blocks, in ascending id order: which blocks is the LRU's
+        choice, their order is free, and ascending ids make long runs for the KV data planes,
+        which read one region per run of blocks consecutive on both sides."""
         if count > len(self.free_queue):
             raise RuntimeError(f"asked for {count} blocks, {len(self.free_queue)} free")
         allocated = []
@@ -81,7 +84,7 @@ class BlockPool:
             self._evict(block)
             block.ref_count = 1
             allocated.append(block)
-        return allocated
+        return sorted(allocated, key=lambda block: block.block_id)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on cached blocks (prefix hits), pulling free ones out of the queue."""

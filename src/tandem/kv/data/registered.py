@@ -7,8 +7,7 @@ library's address of this worker, the cache's base address and its number of blo
 hundred bytes of msgpack that decoding never runs. Nothing is staged: the connector holds the
 source's lease while the destination reads, and confirms once the read is done.
 Destination side: start_read turns the read into regions (local address, remote address,
-length), one per layer, key or value, and run of consecutive blocks on both sides (ascending or
-descending alike), and a read
+length), one per layer, key or value, and run of consecutive blocks on both sides, and a read
 thread hands them to the library (`_read_regions`, the plane's) and waits for them, bounded by
 the transfer timeout. A read of part of the source's KV heads (tensor-parallel ranks of
 different sizes, `DataPlane.head_copy`) reads the source's whole blocks into a staging tensor of
@@ -73,22 +72,16 @@ def block_regions(
     block_bytes: int,
 ) -> np.ndarray:
     """[n, 3] uint64 rows (local address, remote address, length): every plane's blocks, pair
-    i copying remote_block_ids[i] into local_block_ids[i], runs consecutive on both sides merged
-    into one row: ascending on both, or descending on both (the block pool frees a request's
-    blocks last first, so a reused run comes back descending), each row starting at its run's
-    lowest block."""
+    i copying remote_block_ids[i] into local_block_ids[i], runs consecutive (ascending) on both
+    sides merged into one row: the block pools hand out every allocation in ascending ids."""
     local_ids = np.asarray(local_block_ids, dtype=np.int64)
     remote_ids = np.asarray(remote_block_ids, dtype=np.int64)
-    local_steps, remote_steps = np.diff(local_ids), np.diff(remote_ids)
-    joined = (local_steps == remote_steps) & (np.abs(local_steps) == 1)
-    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
-    ends = np.append(starts[1:], len(local_ids)) - 1  # a run's last pair, inclusive
-    lengths = (ends - starts + 1) * block_bytes
-    local_first = np.minimum(local_ids[starts], local_ids[ends])
-    remote_first = np.minimum(remote_ids[starts], remote_ids[ends])
+    breaks = (np.diff(local_ids) != 1) | (np.diff(remote_ids) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.append(starts, len(local_ids))) * block_bytes
     planes = np.arange(num_planes, dtype=np.int64)[:, None]
-    local = local_base + (planes * local_num_blocks + local_first) * block_bytes
-    remote = remote_base + (planes * remote_num_blocks + remote_first) * block_bytes
+    local = local_base + (planes * local_num_blocks + local_ids[starts]) * block_bytes
+    remote = remote_base + (planes * remote_num_blocks + remote_ids[starts]) * block_bytes
     rows = np.empty((local.size, 3), dtype=np.uint64)
     rows[:, 0], rows[:, 1] = local.ravel(), remote.ravel()
     rows[:, 2] = np.broadcast_to(lengths, local.shape).ravel()
