@@ -34,7 +34,9 @@ from tandem.distributed.group import TensorParallelGroup, host_store, join_group
 from tandem.distributed.sharding import check_tensor_parallel, kv_head_range
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore, FatalEngineError
+from tandem.engine.outputs import ScheduledRequest, SchedulerOutput
 from tandem.executor.base import ExecutorFailedError
+from tandem.executor.rank import for_other_ranks
 from tandem.models.config import ModelConfig
 from tandem.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -286,8 +288,12 @@ def test_greedy_matches_transformers_and_tp1(shape, engines, references):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_sampling_and_logprobs_match_tp1(shape, engines):
-    """Seeded requests, requests drawn from the engine's seeded generator, logprobs and prompt
-    logprobs: the same at TP=2 as at TP=1 (logprobs within float32 tolerance)."""
+    """Seeded requests, requests drawn from the engine's seeded generator, logprobs, penalties
+    on the tokens so far (which only rank 0 is sent) and prompt logprobs: the same at TP=2 as at
+    TP=1 (logprobs within float32 tolerance)."""
+    penalized = SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, repetition_penalty=1.5, frequency_penalty=0.5
+    )
     params = (
         [
             SamplingParams(temperature=0.9, top_p=0.9, seed=index, max_tokens=NEW_TOKENS)
@@ -295,8 +301,9 @@ def test_sampling_and_logprobs_match_tp1(shape, engines):
         ]
         + [
             SamplingParams(temperature=1.0, top_k=50, max_tokens=NEW_TOKENS, logprobs=3)
-            for _ in range(7)
+            for _ in range(5)
         ]
+        + [penalized, penalized]
         + [SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2)]
     )
     tp1, tp2 = engines[shape]
@@ -313,6 +320,24 @@ def test_sampling_and_logprobs_match_tp1(shape, engines):
     assert len(last_mine) == len(PROMPTS[-1])
     for a, b in zip(last_mine[1:], last_theirs[1:], strict=True):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_the_other_ranks_get_no_sampling_inputs():
+    """for_other_ranks: no output tokens or grammar mask, and the prompt only while a step's
+    tokens reach into the prompt of a request that wants its logprobs."""
+
+    def scheduled(start: int, prompt_logprobs: int | None) -> ScheduledRequest:
+        params = SamplingParams(max_tokens=4, prompt_logprobs=prompt_logprobs)
+        return ScheduledRequest(
+            "r", [7, 8], start, [0, 1], True, params, 0, [1, 2, 3, 4], [9], b"\x01\x00\x00\x00"
+        )
+
+    step = SchedulerOutput([scheduled(2, 1), scheduled(4, 1), scheduled(0, None)], 6)
+    sent = for_other_ranks(step)
+    assert [r.prompt_token_ids for r in sent.requests] == [[1, 2, 3, 4], [], []]
+    assert all(r.output_token_ids == [] and r.grammar_bitmask is None for r in sent.requests)
+    assert [r.token_ids for r in sent.requests] == [[7, 8]] * 3  # what the forward needs stays
+    assert step.requests[2].output_token_ids == [9]  # rank 0's own step untouched
 
 
 def test_a_gguf_model_loads_per_rank_through_the_cache(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ own process (next to the scheduler), ranks 1.. in processes of their own (`rank_
 
     engine core process                                   rank r process (r >= 1)
     scheduler -> SchedulerOutput -> msgpack --ZeroMQ PUSH--> decode -> same forward on shard r
+                 (for_other_ranks: no sampling inputs)
                  rank 0: forward on shard 0                  (collectives pair up, gloo / NCCL)
                  logits gathered on rank 0 -> sample -> RunnerOutput
 
@@ -51,6 +52,7 @@ from tandem.executor.rank import (
     RankMessage,
     RankReply,
     Shutdown,
+    for_other_ranks,
     peer_memory_dtype,
     rank_device,
 )
@@ -128,7 +130,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.check_health()
-        self._send(ExecuteModel(scheduler_output))
+        self._send(ExecuteModel(for_other_ranks(scheduler_output)))
         try:
             return self.rank.runner.execute(scheduler_output)
         except Exception as exc:

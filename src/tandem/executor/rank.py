@@ -41,7 +41,31 @@ class InitializeKVCache(msgspec.Struct, tag=True):
 
 
 class ExecuteModel(msgspec.Struct, tag=True):
-    scheduler_output: SchedulerOutput
+    scheduler_output: SchedulerOutput  # `for_other_ranks` of rank 0's
+
+
+def for_other_ranks(scheduler_output: SchedulerOutput) -> SchedulerOutput:
+    """The step as the other ranks need it: they sample nothing (`NoSampling`), so each
+    request's output tokens and grammar mask stay on rank 0, and its prompt tokens too unless
+    this step computes its prompt logprobs (every rank takes part in their logits' gather). The
+    whole lists made a step's message grow with every request's context: 1.7 MB, 3 ms to encode
+    and 22 ms to decode, at 64 requests of 8k tokens (CPU, msgspec)."""
+    requests = [
+        replace(
+            request,
+            prompt_token_ids=request.prompt_token_ids if computes_prompt_logprobs(request) else [],
+            output_token_ids=[],
+            grammar_bitmask=None,
+        )
+        for request in scheduler_output.requests
+    ]
+    return replace(scheduler_output, requests=requests)
+
+
+def computes_prompt_logprobs(request: ScheduledRequest) -> bool:
+    """Whether this step's tokens reach into the prompt of a request that wants its logprobs."""
+    wanted = request.sampling_params.prompt_logprobs is not None
+    return wanted and request.start_position < len(request.prompt_token_ids)
 
 
 class Shutdown(msgspec.Struct, tag=True):
