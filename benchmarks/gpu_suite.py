@@ -81,15 +81,23 @@ def ceilings() -> dict:
     return result
 
 
-def weight_bytes(core: EngineCore, decode: bool) -> int:
-    """Bytes of weights one forward pass reads (decode reads one embedding row, not the table)."""
-    total = 0
+def expert_parameter(name: str) -> bool:
+    """A mixture-of-experts layer's stacked routed experts."""
+    return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+def weight_bytes(core: EngineCore, decode: bool, expert_share: float = 1.0) -> int:
+    """Bytes of weights one forward pass reads (decode reads one embedding row, not the table;
+    of the routed experts, `expert_share` of them)."""
+    total = 0.0
     for name, param in core.executor.model.named_parameters():
         tied = core.model_config.tie_word_embeddings
         if decode and name.endswith("embed_tokens.weight") and not tied:
             continue
-        total += param.numel() * param.element_size()
-    return total
+        total += (
+            param.numel() * param.element_size() * (expert_share if expert_parameter(name) else 1)
+        )
+    return int(total)
 
 
 def run_steps_until_done(core: EngineCore) -> None:

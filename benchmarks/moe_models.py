@@ -27,10 +27,12 @@ from pathlib import Path
 
 from gpu_suite import (  # this script's folder is on sys.path when it runs
     ceilings,
+    expert_parameter,
     measure_in_children,
     prefill_step_s,
     random_requests,
     step_times_until_done,
+    weight_bytes,
 )
 
 from tandem.engine.config import EngineConfig
@@ -38,23 +40,6 @@ from tandem.engine.core import EngineCore
 
 MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b"]
 PROMPT, DECODE_PROMPT, DECODE_TOKENS, BATCHES = 8192, 128, 160, (1, 64)
-
-
-def expert_parameter(name: str) -> bool:
-    return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-
-
-def weight_bytes(core: EngineCore, experts_touched: float) -> int:
-    """Bytes of weights a decode step reads: all but the embedding table (unless tied, then it is
-    the LM head), routed experts scaled by the share of them touched."""
-    moe = core.model_config.moe
-    total = 0.0
-    for name, param in core.executor.model.named_parameters():
-        size = param.numel() * param.element_size()
-        if name.endswith("embed_tokens.weight") and not core.model_config.tie_word_embeddings:
-            continue
-        total += size * (experts_touched / moe.num_experts if expert_parameter(name) else 1)
-    return int(total)
 
 
 def prefill_flops(core: EngineCore, tokens: int) -> float:
@@ -105,7 +90,8 @@ def measure(model: str) -> dict:
         step_s = statistics.median(step_times_until_done(core)[10 : DECODE_TOKENS - 10])
         touched = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** batch)
         context = DECODE_PROMPT + DECODE_TOKENS // 2
-        read = weight_bytes(core, touched) + batch * context * core.kv_spec.bytes_per_token
+        weights = weight_bytes(core, decode=True, expert_share=touched / moe.num_experts)
+        read = weights + batch * context * core.kv_spec.bytes_per_token
         roofline_s = read / (limits["copy_GBps"] * 1e9)
         result[f"decode_b{batch}"] = {
             "step_ms": step_s * 1e3,
