@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import io
+import socket
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from tandem.bench import compare
 from tandem.bench.client import RequestRecord
 from tandem.bench.compare import clusters_for, router_decisions
 from tandem.bench.metrics import compute_metrics
@@ -38,6 +40,28 @@ def test_default_plan_is_three_configurations_on_the_same_workers(tmp_path: Path
         ),
     ]
     assert [path for cluster in clusters for path, _ in cluster.files] == [adaptive_file]
+    assert [cluster.num_workers for cluster in clusters] == [3, 3, 3]
+
+
+def test_cluster_port_leaves_out_taken_and_ephemeral_ports(monkeypatch) -> None:
+    """The router port and the workers' (+100) and KV listeners' (+200) are free and below the
+    ephemeral range; a candidate whose worker port is taken is passed over."""
+    floor = compare.ephemeral_port_floor()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy_worker_port = taken.getsockname()[1]
+        candidates = iter([busy_worker_port - 101, busy_worker_port - 101 + 7])
+        seen_ranges = []
+
+        def randrange(low: int, high: int) -> int:
+            seen_ranges.append((low, high))
+            return next(candidates)
+
+        monkeypatch.setattr(compare.random, "randrange", randrange)
+        monkeypatch.setattr(compare, "ephemeral_port_floor", lambda: 65000)
+        port = compare.cluster_port(num_workers=2)  # worker ports P+100, P+101
+    assert port == busy_worker_port - 101 + 7
+    assert seen_ranges == [(10000, 65000 - 202)] * 2
+    assert 1024 < floor <= 65535
 
 
 def test_configurations_flag_picks_and_orders_them(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import shlex
 import signal
 import socket
@@ -65,34 +66,70 @@ class Cluster:
 
     label: str
     shape_flags: tuple[str, ...]
+    num_workers: int
     files: tuple[tuple[Path, str], ...] = ()
+
+
+# the adaptive cluster's flags besides its auto workers: no fixed roles, requests with a short
+# uncached prompt served whole, decode on the worker holding most of the prompt
+ADAPTIVE_FLAGS = ("--prefill", "0", "--decode", "0", "--disaggregation", "conditional")
+ADAPTIVE_FLAGS += ("--decode-policy", "prefix-aware")
 
 
 def clusters_for(args: argparse.Namespace, result_dir: Path) -> list[Cluster]:
     """The chosen configurations (`args.configurations`, in that order, each once)."""
     num_workers = args.num_prefill + args.num_decode
-    num_colocated = str(args.num_colocated or num_workers)
-    num_auto = str(args.num_auto or num_workers)
+    num_colocated = args.num_colocated or num_workers
+    num_auto = args.num_auto or num_workers
     adaptive_file = result_dir / ADAPTIVE_CLUSTER_FILE
     clusters = {
         "colocated": Cluster(
-            "colocated", ("--both", num_colocated, "--prefill", "0", "--decode", "0")
+            "colocated",
+            ("--both", str(num_colocated), "--prefill", "0", "--decode", "0"),
+            num_colocated,
         ),
-        "pd": Cluster("pd", ("--prefill", str(args.num_prefill), "--decode", str(args.num_decode))),
+        "pd": Cluster(
+            "pd",
+            ("--prefill", str(args.num_prefill), "--decode", str(args.num_decode)),
+            num_workers,
+        ),
         "adaptive": Cluster(
             "adaptive",
-            ("--config", str(adaptive_file), "--auto", num_auto, "--prefill", "0", "--decode", "0")
-            + ("--disaggregation", "conditional", "--decode-policy", "prefix-aware"),
+            ("--config", str(adaptive_file), "--auto", str(num_auto), *ADAPTIVE_FLAGS),
+            num_auto,
             ((adaptive_file, ADAPTIVE_CLUSTER_YAML),),
         ),
     }
     return [clusters[label] for label in dict.fromkeys(args.configurations)]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def ephemeral_port_floor() -> int:
+    """The first port the kernel hands out to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def cluster_port(num_workers: int) -> int:
+    """A router port P for `tandem serve`, whose workers then listen on P+100+i and their KV
+    on P+200+i: all of them free now and below the ephemeral range, where no outgoing connection
+    (the router's health checks start before the workers listen) can take one first. A port
+    there was taken so in a 4-GPU sweep, and the cluster lost two workers."""
+    ceiling = ephemeral_port_floor() - 200 - num_workers
+    while True:
+        router = random.randrange(min(10000, ceiling // 2), ceiling)
+        ports = [
+            router,
+            *(router + offset + i for offset in (100, 200) for i in range(num_workers)),
+        ]
+        try:
+            with contextlib.ExitStack() as held:
+                for port in ports:
+                    held.enter_context(socket.create_server(("127.0.0.1", port)))
+            return router
+        except OSError:
+            continue
 
 
 def group_alive(process: subprocess.Popen[bytes]) -> bool:
@@ -200,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     result_sets, commands, decisions = [], {}, {}
     for cluster in clusters_for(args, result_dir):
-        port = args.port or free_port()
+        port = args.port or cluster_port(cluster.num_workers)
         base_url = f"http://127.0.0.1:{port}"
         command = [
             *serve_command_of(args),
