@@ -49,9 +49,12 @@ def worker(url: str, role: str = "decode", tokens_waiting: int = 0, **load: int)
 
 def test_load_reports_are_read_from_health_answers():
     body = b'{"status": "ok", "load": {"tokens_waiting": 70, "kv_blocks_used": 3, '
-    body += b'"kv_blocks_total": 12, "requests_running": "many", "requests_waiting": -1}}'
+    body += b'"kv_blocks_total": 12, "requests_running": "many", "requests_waiting": -1, '
+    body += b'"itl_p90_ms": 41}}'
     load = load_of(body)
-    assert load == WorkerLoad(tokens_waiting=70, kv_blocks_used=3, kv_blocks_total=12)
+    assert load == WorkerLoad(
+        tokens_waiting=70, kv_blocks_used=3, kv_blocks_total=12, itl_p90_ms=41
+    )
     assert load.kv_usage == 0.25
     assert load_of(b'{"role": "decode"}') is NO_LOAD  # vLLM's workers report none
     assert load_of(b"not json") is NO_LOAD and load_of(b'{"load": [1]}') is NO_LOAD
@@ -82,6 +85,7 @@ def planner_config(**changes: Any) -> RouterConfig:
     settings = dict(
         planner_prefill_queue_high=1000,
         planner_prefill_queue_low=100,
+        planner_decode_itl_high_ms=0,  # the queue alone, unless a test asks for the latency
         planner_decode_kv_high=0.8,
         planner_dwell_s=5.0,
     )
@@ -130,6 +134,31 @@ def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts():
     assert 'tandem_router_role_changes_total{duty="prefill"} 2.0' in samples
     assert 'tandem_router_role_changes_total{duty="decode"} 2.0' in samples
     assert 'tandem_router_auto_worker_duty{duty="decode",worker="http://a0"} 1.0' in samples
+
+
+def test_planner_moves_a_worker_to_prefill_only_while_prompts_slow_the_streams():
+    """With planner_decode_itl_high_ms set, a long prefill queue alone moves no worker (its
+    colocated workers prefill in chunks beside their streams); once a decode worker's inter-token
+    latency reaches the mark, the least busy auto worker takes up prefill."""
+    planner = Planner(
+        planner_config(planner_decode_itl_high_ms=30, planner_dwell_s=0.0), RouterMetrics()
+    )
+    autos = [worker(f"http://a{i}", "auto") for i in range(3)]
+    for index, auto in enumerate(autos):
+        auto.load = WorkerLoad(tokens_waiting=5000, requests_running=3 - index, itl_p90_ms=12)
+    planner.plan(autos, now=0.0)
+    assert duties(autos) == ["decode"] * 3
+    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, itl_p90_ms=29)
+    planner.plan(autos, now=1.0)
+    assert duties(autos) == ["decode"] * 3  # just under the mark
+    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, itl_p90_ms=30)
+    planner.plan(autos, now=2.0)
+    assert duties(autos) == ["decode", "decode", "prefill"]  # the one running fewest
+    # Going back to decode does not wait for the latency: the queue drains, it goes back.
+    for auto in autos:
+        auto.load = WorkerLoad(tokens_waiting=10, itl_p90_ms=45)
+    planner.plan(autos, now=3.0)
+    assert duties(autos) == ["decode"] * 3
 
 
 def test_planner_leaves_dedicated_workers_alone_and_keeps_an_auto_prefill_busy_enough():
@@ -267,9 +296,10 @@ def test_auto_workers_take_up_prefill_and_give_it_back_without_losing_a_request(
     assert sorted(len(fake.kinds()) for fake in autos) == [0, 1]
     assert decisions(router) == {'decision="whole",reason="no_prefill_worker"': 1.0}
 
-    # Both build up long local prefill queues: the planner moves one to prefill.
+    # Both build up long local prefill queues, and the streams they decode slow down (the
+    # default planner_decode_itl_high_ms, 50): the planner moves one to prefill.
     for fake in autos:
-        fake.control.load = {"tokens_waiting": 5000}
+        fake.control.load = {"tokens_waiting": 5000, "itl_p90_ms": 80}
     wait_for(lambda: len(pool.available(("prefill",))) == 1)
     (prefiller,) = pool.available(("prefill",))
     # Keep the queue per prefill worker between the marks, so it stays.

@@ -36,6 +36,7 @@ ADAPTIVE_ROUTER_KEYS = (
     "max_prefill_queue_tokens",
     "planner_prefill_queue_high",
     "planner_prefill_queue_low",
+    "planner_decode_itl_high_ms",
     "planner_decode_kv_high",
     "planner_dwell_s",
 )

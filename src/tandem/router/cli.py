@@ -198,6 +198,15 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         "back to decoding",
     )
     group.add_argument(
+        "--planner-decode-itl-high-ms",
+        type=int,
+        default=DEFAULTS.planner_decode_itl_high_ms,
+        metavar="MS",
+        help="auto workers: one more prefills only while a decode worker's inter-token latency "
+        "(p90 of its last 10 s) is at least this too, i.e. prompts slow its streams (your TPOT "
+        "SLO; 0: on the prefill queue alone)",
+    )
+    group.add_argument(
         "--planner-decode-kv-high",
         type=float,
         default=DEFAULTS.planner_decode_kv_high,
@@ -242,6 +251,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         planner_prefill_queue_high=args.planner_prefill_queue_high,
         planner_prefill_queue_low=args.planner_prefill_queue_low,
+        planner_decode_itl_high_ms=args.planner_decode_itl_high_ms,
         planner_decode_kv_high=args.planner_decode_kv_high,
         planner_dwell_s=args.planner_dwell_s,
         busy_poll_s=args.busy_poll_s,

@@ -12,7 +12,15 @@ within `planner_dwell_s` of the last:
   per worker fall under `planner_prefill_queue_low` (prefill capacity idles);
 * else one auto `decode` worker takes up `prefill` when the tokens waiting per worker of the
   side that prefills (the prefill workers, or the decode side while there are none) pass
-  `planner_prefill_queue_high`, at least two workers serve decode, and decode has room.
+  `planner_prefill_queue_high`, a decode worker's inter-token latency (p90 of its last seconds)
+  is at least `planner_decode_itl_high_ms` (0: not asked for), at least two workers serve
+  decode, and decode has room.
+
+Why the latency too: a worker taken to prefill alone takes prefill capacity from a cluster whose
+queue says it is short of it (colocated workers all prefill, in chunks beside their decode rows).
+A split pays when those prompt chunks slow the streams more than the SLO allows (tandem bench
+compare on two and four GPUs: on the prefill queue alone the planner's moves cost goodput where
+colocated workers kept their TPOT within the SLO; docs/benchmarks.md).
 
 A duty is a per-request choice for an auto worker, so a change drains by itself: the requests in
 flight on it finish where they are, and only new legs follow the new duty. Nothing is lost.
@@ -68,10 +76,12 @@ class Planner:
         ):
             return min(on_prefill, key=lambda w: w.load.tokens_waiting), "decode"
         on_decode = [worker for worker in decode if worker.role == "auto"]
+        decode_itl_ms = max((w.load.itl_p90_ms for w in decode), default=0)
         if (
             on_decode
             and len(decode) >= 2
             and queue > config.planner_prefill_queue_high
+            and decode_itl_ms >= config.planner_decode_itl_high_ms
             and decode_kv <= config.planner_decode_kv_high
         ):
             return min(on_decode, key=lambda w: (w.load.requests_running, w.outstanding)), "prefill"

@@ -49,6 +49,7 @@ class WorkerLoad:
     tokens_waiting: int = 0  # prompt tokens admitted and not yet computed (its prefill queue)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    itl_p90_ms: int = 0  # its responses' inter-token gaps of the last seconds, 90th percentile
 
     @property
     def kv_usage(self) -> float:

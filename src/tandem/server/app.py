@@ -110,7 +110,8 @@ def add_status_routes(app: FastAPI, inputs: RequestInputs, metrics: WorkerMetric
                     "status": "ok",
                     "role": settings.role,
                     "kv": kv_endpoint(client, settings),
-                    "load": metrics.load,  # the router's conditional PD and planner read it
+                    # the router's conditional PD and planner read it
+                    "load": metrics.load_report(time.monotonic()),
                 }
             )
         return error_response("the engine is not running", 503)

@@ -1,13 +1,15 @@
 """The worker's Prometheus metrics, in a registry of its own (no process-global state).
 
 Gauges mirror the engine core's latest stats; histograms and counters are fed by the HTTP layer
-as responses progress. The ones vLLM has are also shown under vLLM's names (`vllm:...`, label
-`model_name`), for the dashboards and routers that read those: copied at each scrape, so
-responses pay nothing for them.
+as responses progress, which also keeps the latest inter-token gaps (seconds' worth) for the load
+report a router reads on /health. The ones vLLM has are also shown under vLLM's names
+(`vllm:...`, label `model_name`), for the dashboards and routers that read those: copied at each
+scrape, so responses pay nothing for them.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +45,11 @@ LOAD_STATS = (
     "kv_blocks_used",
     "kv_blocks_total",
 )
+
+# the inter-token gaps a load report's itl_p90_ms is taken over: the last this many, of the last
+# RECENT_GAPS_S seconds
+RECENT_GAPS = 4096
+RECENT_GAPS_S = 10.0
 
 # tandem's metric -> vLLM's name for the same (label renames beside)
 VLLM_NAMES = {
@@ -156,8 +163,23 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.load: dict[str, int] = {}  # the latest of LOAD_STATS, for a router (/health)
+        # (time, gap) of the latest inter-token gaps, for the load report's itl_p90_ms
+        self.recent_gaps: deque[tuple[float, float]] = deque(maxlen=RECENT_GAPS)
         self.vllm_names = CollectorRegistry()
         self.vllm_names.register(VllmNames(self.registry, model_name))
+
+    def observe_gap(self, now: float, seconds: float) -> None:
+        """One inter-token gap of a response, ending at `now` (time.monotonic())."""
+        self.itl.labels(self.model_name).observe(seconds)
+        self.recent_gaps.append((now, seconds))
+
+    def load_report(self, now: float) -> dict[str, int]:
+        """What /health tells a router: LOAD_STATS, and itl_p90_ms, the 90th percentile of the
+        inter-token gaps of the last RECENT_GAPS_S seconds (0 without any), which the planner
+        reads as how much the streams this worker decodes are slowed."""
+        gaps = sorted(gap for at, gap in self.recent_gaps if now - at <= RECENT_GAPS_S)
+        p90_ms = round(gaps[int(0.9 * (len(gaps) - 1))] * 1000) if gaps else 0
+        return {**self.load, "itl_p90_ms": p90_ms}
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
         """Apply one stats report of the engine core (each report is seen exactly once)."""

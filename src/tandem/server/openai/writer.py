@@ -270,7 +270,7 @@ class LatencyTracker:
         if self.last_token_time is None:
             self.metrics.ttft.labels(self.model_name).observe(now - self.arrival)
         else:
-            self.metrics.itl.labels(self.model_name).observe(now - self.last_token_time)
+            self.metrics.observe_gap(now, now - self.last_token_time)
         self.last_token_time = now
         self.metrics.generation_tokens.labels(self.model_name).inc(len(delta.token_ids))
 
