@@ -43,6 +43,18 @@ def test_default_plan_is_three_configurations_on_the_same_workers(tmp_path: Path
     assert [cluster.num_workers for cluster in clusters] == [3, 3, 3]
 
 
+def test_workers_in_pool_is_read_from_the_routers_gauges() -> None:
+    """The count a sweep waits for: the router's workers in its pool, none while it shows no
+    gauge of them (another project's router: its /health alone is waited for)."""
+    metrics = RouterMetrics()
+    assert compare.workers_in_pool(metrics.render().decode()) == 0
+    metrics.healthy.labels("http://a", "auto").set(1)
+    metrics.healthy.labels("http://b", "auto").set(0)  # out of the pool
+    metrics.healthy.labels("http://c", "auto").set(1)
+    assert compare.workers_in_pool(metrics.render().decode()) == 2
+    assert compare.workers_in_pool("# HELP x y\n# TYPE x counter\nx_total 1.0\n") is None
+
+
 def test_cluster_port_leaves_out_taken_and_ephemeral_ports(monkeypatch) -> None:
     """The router port and the workers' (+100) and KV listeners' (+200) are free and below the
     ephemeral range; a candidate whose worker port is taken is passed over."""

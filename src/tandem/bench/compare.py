@@ -155,8 +155,34 @@ def stop_group(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) 
     process.wait()
 
 
+def workers_in_pool(metrics_text: str) -> int | None:
+    """How many workers the router has in its pool (its `tandem_router_worker_healthy` gauges);
+    None for a router that shows no such gauge (another project's)."""
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "tandem_router_worker_healthy":
+            return int(sum(sample.value for sample in family.samples))
+    return None
+
+
+def cluster_ready(base_url: str, num_workers: int) -> bool:
+    """The router answers /health with 200 and has all `num_workers` workers in its pool: its
+    /health passes with one worker that can decode, and a sweep begun then measures a part of
+    the cluster."""
+    with contextlib.suppress(httpx.HTTPError):
+        if httpx.get(f"{base_url}/health", timeout=5.0).status_code != 200:
+            return False
+        metrics = httpx.get(f"{base_url}/metrics", timeout=5.0)
+        in_pool = workers_in_pool(metrics.text) if metrics.status_code == 200 else None
+        return in_pool is None or in_pool >= num_workers
+    return False
+
+
 def wait_healthy(
-    process: subprocess.Popen[bytes], base_url: str, timeout_s: float, log_path: Path
+    process: subprocess.Popen[bytes],
+    base_url: str,
+    num_workers: int,
+    timeout_s: float,
+    log_path: Path,
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -165,28 +191,28 @@ def wait_healthy(
                 f"the cluster exited with code {process.returncode} before it was healthy; "
                 f"see {log_path}"
             )
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/health", timeout=5.0).status_code == 200:
-                return
+        if cluster_ready(base_url, num_workers):
+            return
         time.sleep(HEALTH_POLL_S)
     raise BenchError(
-        f"{base_url}/health did not answer 200 within {timeout_s:.0f} s; see {log_path} "
-        "(raise --startup-timeout if the model is slow to load)"
+        f"the cluster at {base_url} did not have its {num_workers} workers healthy within "
+        f"{timeout_s:.0f} s; see {log_path} (raise --startup-timeout if the model is slow to load)"
     )
 
 
 @contextlib.contextmanager
 def running_cluster(
-    command: list[str], base_url: str, log_path: Path, startup_timeout_s: float
+    command: list[str], base_url: str, num_workers: int, log_path: Path, startup_timeout_s: float
 ) -> Iterator[None]:
-    """Start `command` in a new process group, yield once healthy, always stop the group."""
+    """Start `command` in a new process group, yield once it is healthy with all `num_workers`
+    workers, always stop the group."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            wait_healthy(process, base_url, startup_timeout_s, log_path)
+            wait_healthy(process, base_url, num_workers, startup_timeout_s, log_path)
             yield
         finally:
             stop_group(process)
@@ -261,7 +287,9 @@ def main(args: argparse.Namespace) -> int:
             path.write_text(text)
         console.print(f"[bold]{cluster.label}[/bold]: {shlex.join(command)}")
         log_path = result_dir / f"{cluster.label}-serve.log"
-        with running_cluster(command, base_url, log_path, args.startup_timeout):
+        with running_cluster(
+            command, base_url, cluster.num_workers, log_path, args.startup_timeout
+        ):
             outcome = asyncio.run(run_sweep(options, tokenizer, console))
             decisions[cluster.label] = scrape_router_decisions(base_url)
         console.print(f"{cluster.label}: the router decided {decisions[cluster.label]}")
