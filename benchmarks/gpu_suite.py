@@ -134,9 +134,11 @@ def prefill_step_s(core: EngineCore, request, length: int, rounds: int = 4) -> f
 
 def measure_in_children(script: str, names: Iterable[str]) -> dict[str, dict]:
     """`script --child NAME` for each name, each in a process of its own (so each starts on
-    empty GPUs): its last line of output, JSON; a child that fails is printed and left out."""
+    empty GPUs): its last line of output, JSON, also printed (stderr) as it comes, so a run cut
+    short keeps what finished; a child that fails is printed and left out."""
     results = {}
     for name in names:
+        started = time.perf_counter()
         done = subprocess.run(
             [sys.executable, script, "--child", name], capture_output=True, text=True
         )
@@ -144,6 +146,8 @@ def measure_in_children(script: str, names: Iterable[str]) -> dict[str, dict]:
             print(f"{name} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
             continue
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        elapsed = time.perf_counter() - started
+        print(f"{name} ({elapsed:.0f} s): {json.dumps(results[name])}", file=sys.stderr, flush=True)
     return results
 
 
