@@ -16,11 +16,9 @@ within `planner_dwell_s` of the last:
   is at least `planner_decode_itl_high_ms` (0: not asked for), at least two workers serve
   decode, and decode has room.
 
-Why the latency too: a worker taken to prefill alone takes prefill capacity from a cluster whose
-queue says it is short of it (colocated workers all prefill, in chunks beside their decode rows).
-A split pays when those prompt chunks slow the streams more than the SLO allows (tandem bench
-compare on two and four GPUs: on the prefill queue alone the planner's moves cost goodput where
-colocated workers kept their TPOT within the SLO; docs/benchmarks.md).
+Why the latency too: a worker moved to prefill takes prefill capacity from a cluster whose queue
+says it is short of it; a split pays only where prompt chunks slow the streams (on two and four
+GPUs the queue-only moves cost goodput while colocated kept its TPOT SLO; docs/benchmarks.md).
 
 A duty is a per-request choice for an auto worker, so a change drains by itself: the requests in
 flight on it finish where they are, and only new legs follow the new duty. Nothing is lost.
