@@ -114,8 +114,8 @@ def ephemeral_port_floor() -> int:
 def cluster_port(num_workers: int) -> int:
     """A router port P for `tandem serve`, whose workers then listen on P+100+i and their KV
     on P+200+i: all of them free now and below the ephemeral range, where no outgoing connection
-    (the router's health checks start before the workers listen) can take one first. A port
-    there was taken so in a 4-GPU sweep, and the cluster lost two workers."""
+    (the router's health checks start before the workers listen) can take one first: a 4-GPU
+    sweep lost two workers whose ports, picked in that range, were found taken."""
     ceiling = ephemeral_port_floor() - 200 - num_workers
     while True:
         router = random.randrange(min(10000, ceiling // 2), ceiling)
@@ -165,9 +165,9 @@ def workers_in_pool(metrics_text: str) -> int | None:
 
 
 def cluster_ready(base_url: str, num_workers: int) -> bool:
-    """The router answers /health with 200 and has all `num_workers` workers in its pool: its
-    /health passes with one worker that can decode, and a sweep begun then measures a part of
-    the cluster."""
+    """The router answers /health with 200 and has all `num_workers` workers in its pool (its
+    /health alone passes with one worker that can decode: a sweep begun then would measure part
+    of the cluster)."""
     with contextlib.suppress(httpx.HTTPError):
         if httpx.get(f"{base_url}/health", timeout=5.0).status_code != 200:
             return False
