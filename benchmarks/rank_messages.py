@@ -1,10 +1,11 @@
 """The step message a tensor-parallel engine's rank 0 sends its other ranks: its size and the
 host time to encode it (rank 0) and decode it (each other rank), every decode step, for the
-whole `SchedulerOutput` against `for_other_ranks` (what the ranks are sent: no sampling inputs).
+whole `SchedulerOutput` against `for_other_ranks` (what the ranks are sent: no sampling inputs,
+and of each block table only the ids the ranks do not hold from the step before).
 
 Decode steps of `batch` requests, each with a prompt of `context` tokens and 128 generated, its
-whole block table and default sampling parameters; msgspec's msgpack encoder and the ranks'
-decoder, median of 50 after warm-up, on this machine's CPU (the host side of a GPU step):
+block table and default sampling parameters; msgspec's msgpack encoder and the ranks' decoder,
+median of 50 after warm-up, on this machine's CPU (the host side of a GPU step):
 
     python benchmarks/rank_messages.py
 """
@@ -18,7 +19,7 @@ import msgspec
 
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput
 from tandem.engine.sampling_params import SamplingParams
-from tandem.executor.rank import MESSAGE_DECODER, ExecuteModel, for_other_ranks
+from tandem.executor.rank import MESSAGE_DECODER, BlockTables, ExecuteModel, for_other_ranks
 
 CASES = [(1, 128), (64, 1024), (64, 8192)]  # (batch, prompt tokens)
 GENERATED, BLOCK_SIZE, REPEATS = 128, 16, 50
@@ -54,21 +55,40 @@ def median_us(fn) -> float:
     return statistics.median(times) * 1e6
 
 
-def message_of(step: SchedulerOutput, stripped: bool) -> ExecuteModel:
-    return ExecuteModel(for_other_ranks(step) if stripped else step)
+def timings(step: SchedulerOutput, kind: str) -> tuple[int, float, float]:
+    """(bytes, rank 0's encode us, a rank's decode us) of one step's message: the whole step;
+    for_other_ranks with every table sent whole (the requests' first step); or for_other_ranks
+    the step after one that sent the same tables (a steady decode step). The encode includes
+    rank 0's table bookkeeping, the decode the other rank's rebuilding of the tables."""
+    encoder = msgspec.msgpack.Encoder()
+    if kind == "whole step":
+        message = encoder.encode(ExecuteModel(step))
+        encode = median_us(lambda: encoder.encode(ExecuteModel(step)))
+        return len(message), encode, median_us(lambda: MESSAGE_DECODER.decode(message))
+    rank0, other = BlockTables(), BlockTables()
+    if kind == "tables held":
+        other.restore(MESSAGE_DECODER.decode(encoder.encode(for_other_ranks(step, rank0))))
+
+    def send() -> bytes:
+        return encoder.encode(
+            for_other_ranks(step, rank0 if kind == "tables held" else BlockTables())
+        )
+
+    def receive() -> None:
+        other.restore(MESSAGE_DECODER.decode(message))
+
+    message = send()
+    return len(message), median_us(send), median_us(receive)
 
 
 def main() -> None:
-    encoder = msgspec.msgpack.Encoder()
     print("| batch x prompt | message | KB | rank 0 encodes, us | a rank decodes, us |")
     print("|---|---|---|---|---|")
     for batch, prompt in CASES:
         step = decode_step(batch, prompt)
-        for name, stripped in (("whole step", False), ("for_other_ranks", True)):
-            message = encoder.encode(message_of(step, stripped))
-            encode = median_us(lambda: encoder.encode(message_of(step, stripped)))  # noqa: B023
-            decode = median_us(lambda: MESSAGE_DECODER.decode(message))  # noqa: B023
-            print(f"| {batch} x {prompt} | {name} | {len(message) / 1e3:.1f} | {encode:.0f} | "
+        for kind in ("whole step", "tables sent whole", "tables held"):
+            size, encode, decode = timings(step, kind)
+            print(f"| {batch} x {prompt} | {kind} | {size / 1e3:.1f} | {encode:.0f} | "
                   f"{decode:.0f} |")  # fmt: skip
 
 

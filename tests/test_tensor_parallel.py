@@ -24,6 +24,7 @@ import threading
 import time
 
 import httpx
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore, FatalEngineError
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput
 from tandem.executor.base import ExecutorFailedError
-from tandem.executor.rank import for_other_ranks
+from tandem.executor.rank import MESSAGE_DECODER, BlockTables, for_other_ranks
 from tandem.models.config import ModelConfig
 from tandem.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -333,11 +334,44 @@ def test_the_other_ranks_get_no_sampling_inputs():
         )
 
     step = SchedulerOutput([scheduled(2, 1), scheduled(4, 1), scheduled(0, None)], 6)
-    sent = for_other_ranks(step)
+    sent = for_other_ranks(step, BlockTables()).scheduler_output
     assert [r.prompt_token_ids for r in sent.requests] == [[1, 2, 3, 4], [], []]
     assert all(r.output_token_ids == [] and r.grammar_bitmask is None for r in sent.requests)
     assert [r.token_ids for r in sent.requests] == [[7, 8]] * 3  # what the forward needs stays
     assert step.requests[2].output_token_ids == [9]  # rank 0's own step untouched
+
+
+def test_the_other_ranks_are_sent_only_new_block_ids_and_rebuild_every_table():
+    """Step messages through msgpack, as the ranks get them: the tables another rank rebuilds
+    equal rank 0's at every step, while a request that ran the step before is sent only its new
+    block ids; a new request, one resumed after a preemption (other blocks, even as many) and
+    one left out of a step are sent whole; a gone request is forgotten on both ends."""
+    encoder = msgspec.msgpack.Encoder()
+
+    def step(tables: dict[str, list[int]]) -> SchedulerOutput:
+        requests = [
+            ScheduledRequest(rid, [5], 0, list(ids), True, SamplingParams(), 0)
+            for rid, ids in tables.items()
+        ]
+        return SchedulerOutput(requests, len(requests))
+
+    steps = [
+        {"a": [3, 4], "b": [9]},
+        {"a": [3, 4], "b": [9, 10]},  # decode steps: nothing or one block more
+        {"a": [3, 4, 7], "b": [9, 10], "c": [1, 2, 8]},  # c is new
+        {"a": [11, 12, 13], "c": [1, 2, 8, 14]},  # a preempted and resumed; b left out
+        {"a": [11, 12, 13], "b": [9, 10, 15], "c": [1, 2, 8, 14]},  # b back: sent whole
+        {"c": [1, 2, 8, 14, 16]},
+    ]
+    rank0, other = BlockTables(), BlockTables()
+    sent_counts = []
+    for tables in steps:
+        message = MESSAGE_DECODER.decode(encoder.encode(for_other_ranks(step(tables), rank0)))
+        sent_counts.append([len(r.block_ids) for r in message.scheduler_output.requests])
+        restored = other.restore(message)
+        assert {r.request_id: r.block_ids for r in restored.requests} == tables
+        assert rank0.tables == other.tables == tables
+    assert sent_counts == [[2, 1], [0, 1], [1, 0, 3], [3, 1], [0, 3, 0], [1]]
 
 
 def test_a_gguf_model_loads_per_rank_through_the_cache(tmp_path, monkeypatch):
@@ -357,6 +391,22 @@ def test_a_gguf_model_loads_per_rank_through_the_cache(tmp_path, monkeypatch):
     cached = sorted(p.name for p in (tmp_path / "cache").rglob("model.*.safetensors"))
     shards = ["model.float32.tp2-rank0.safetensors", "model.float32.tp2-rank1.safetensors"]
     assert cached == ["model.float32.safetensors", *shards]
+
+
+def test_preempted_requests_resume_on_every_rank_with_their_new_blocks(
+    tiny_checkpoints, references
+):
+    """A KV cache too small for the batch: requests are preempted and resume on other blocks,
+    which the other rank must be sent whole (BlockTables); the greedy tokens are still
+    transformers'."""
+    model = str(tiny_checkpoints["llama-gqa"])
+    tight = LLM(model, **dict(ENGINE, num_kv_blocks=40), tensor_parallel_size=2)
+    try:
+        assert token_ids(tight.generate(PROMPTS, GREEDY)) == references["llama-gqa"]
+        assert tight.core.scheduler.num_preemptions > 0
+        assert tight.core.kv_manager.num_used_blocks == 0
+    finally:
+        shut_down(tight)
 
 
 def test_a_rank_that_dies_ends_the_engine(tiny_checkpoints):

@@ -3,7 +3,7 @@ own process (next to the scheduler), ranks 1.. in processes of their own (`rank_
 
     engine core process                                   rank r process (r >= 1)
     scheduler -> SchedulerOutput -> msgpack --ZeroMQ PUSH--> decode -> same forward on shard r
-                 (for_other_ranks: no sampling inputs)
+                 (for_other_ranks: no sampling inputs, new block ids only)
                  rank 0: forward on shard 0                  (collectives pair up, gloo / NCCL)
                  logits gathered on rank 0 -> sample -> RunnerOutput
 
@@ -45,7 +45,7 @@ from tandem.engine.outputs import RunnerOutput, SchedulerOutput
 from tandem.executor.base import Executor, ExecutorFailedError
 from tandem.executor.rank import (
     REPLY_DECODER,
-    ExecuteModel,
+    BlockTables,
     InitializeKVCache,
     PlanKVCache,
     Rank,
@@ -74,6 +74,7 @@ class MultiprocExecutor(Executor):
         self.size = size
         self.stopping = False
         self.encoder = msgspec.msgpack.Encoder()
+        self.block_tables = BlockTables()  # what the other ranks hold of each block table
         self.directory = tempfile.mkdtemp(prefix="tandem-tp-")
         self.context = zmq.Context()
         self.replies = self.context.socket(zmq.PULL)
@@ -130,7 +131,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.check_health()
-        self._send(ExecuteModel(for_other_ranks(scheduler_output)))
+        self._send(for_other_ranks(scheduler_output, self.block_tables))
         try:
             return self.rank.runner.execute(scheduler_output)
         except Exception as exc:

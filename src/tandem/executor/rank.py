@@ -42,24 +42,66 @@ class InitializeKVCache(msgspec.Struct, tag=True):
 
 class ExecuteModel(msgspec.Struct, tag=True):
     scheduler_output: SchedulerOutput  # `for_other_ranks` of rank 0's
+    # per request: how many of its block ids the ranks hold from the last step (its block_ids
+    # here are the rest); 0: its whole table is here (BlockTables)
+    block_ids_known: list[int] = msgspec.field(default_factory=list)
 
 
-def for_other_ranks(scheduler_output: SchedulerOutput) -> SchedulerOutput:
+def for_other_ranks(scheduler_output: SchedulerOutput, tables: BlockTables) -> ExecuteModel:
     """The step as the other ranks need it: they sample nothing (`NoSampling`), so each
     request's output tokens and grammar mask stay on rank 0, and its prompt tokens too unless
-    this step computes its prompt logprobs (every rank takes part in their logits' gather). The
-    whole lists made a step's message grow with every request's context: 1.7 MB, 3 ms to encode
-    and 22 ms to decode, at 64 requests of 8k tokens (CPU, msgspec)."""
+    this step computes its prompt logprobs (every rank takes part in their logits' gather); of
+    each block table only what the ranks do not hold yet (`tables`). The whole lists made a
+    step's message grow with every request's context: 1.7 MB, 3 ms to encode and 22 ms to
+    decode, at 64 requests of 8k tokens (CPU, msgspec)."""
+    known = tables.known_of(scheduler_output.requests)
     requests = [
         replace(
             request,
+            block_ids=request.block_ids[count:],
             prompt_token_ids=request.prompt_token_ids if computes_prompt_logprobs(request) else [],
             output_token_ids=[],
             grammar_bitmask=None,
         )
-        for request in scheduler_output.requests
+        for request, count in zip(scheduler_output.requests, known, strict=True)
     ]
-    return replace(scheduler_output, requests=requests)
+    return ExecuteModel(replace(scheduler_output, requests=requests), known)
+
+
+class BlockTables:
+    """The block tables of the last step's requests, as the other ranks hold them; rank 0 keeps
+    the same to know what to send. A request's table only grows while it runs, so one scheduled
+    in consecutive steps is sent the ids added since (none, most decode steps); one that is new,
+    resumed after a preemption or was left out of the last step is sent whole. Both ends replace
+    their tables with this step's at every message, so they never part and keep nothing of a
+    request that has gone."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+
+    def known_of(self, requests: Sequence[ScheduledRequest]) -> list[int]:
+        """Rank 0: per request, how many of its block ids the ranks hold (a prefix of them)."""
+        known, tables = [], {}
+        for request in requests:
+            held = self.tables.get(request.request_id, [])
+            count = len(held)
+            known.append(count if request.block_ids[:count] == held else 0)
+            tables[request.request_id] = request.block_ids
+        self.tables = tables
+        return known
+
+    def restore(self, message: ExecuteModel) -> SchedulerOutput:
+        """Another rank: the step with each request's whole block table."""
+        requests, tables = message.scheduler_output.requests, {}
+        for request, count in zip(requests, message.block_ids_known, strict=True):
+            if count:
+                held = self.tables[request.request_id]
+                if len(held) != count:
+                    raise RuntimeError(f"rank 0 counts {count} blocks of a table of {len(held)}")
+                request.block_ids = held + request.block_ids
+            tables[request.request_id] = request.block_ids
+        self.tables = tables
+        return message.scheduler_output
 
 
 def computes_prompt_logprobs(request: ScheduledRequest) -> bool:

@@ -26,6 +26,7 @@ from tandem.distributed.group import StoreAddress, join_group
 from tandem.engine.config import EngineConfig
 from tandem.executor.rank import (
     MESSAGE_DECODER,
+    BlockTables,
     ExecuteModel,
     InitializeKVCache,
     PlanKVCache,
@@ -90,10 +91,14 @@ def run_rank(
 
 
 def serve(inputs: zmq.Socket, model_rank: Rank, reply) -> None:
+    block_tables = BlockTables()
     while True:
         message = MESSAGE_DECODER.decode(inputs.recv())
         match message:
-            case ExecuteModel(scheduler_output):
+            case ExecuteModel():
+                # outside the try: tables out of step with rank 0's end this rank (its exit
+                # fails the executor) rather than run a step on wrong blocks
+                scheduler_output = block_tables.restore(message)
                 try:
                     model_rank.runner.execute(scheduler_output)
                 except Exception:  # rank 0's step raised alike: its requests fail there
