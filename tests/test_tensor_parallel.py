@@ -393,6 +393,7 @@ def test_a_gguf_model_loads_per_rank_through_the_cache(tmp_path, monkeypatch):
     assert cached == ["model.float32.safetensors", *shards]
 
 
+@pytest.mark.slow  # 25 s; the tables' bookkeeping is checked message by message by default
 def test_preempted_requests_resume_on_every_rank_with_their_new_blocks(
     tiny_checkpoints, references
 ):
