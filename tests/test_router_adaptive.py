@@ -50,10 +50,10 @@ def worker(url: str, role: str = "decode", tokens_waiting: int = 0, **load: int)
 def test_load_reports_are_read_from_health_answers():
     body = b'{"status": "ok", "load": {"tokens_waiting": 70, "kv_blocks_used": 3, '
     body += b'"kv_blocks_total": 12, "requests_running": "many", "requests_waiting": -1, '
-    body += b'"itl_p90_ms": 41}}'
+    body += b'"itl_mean_ms": 41}}'
     load = load_of(body)
     assert load == WorkerLoad(
-        tokens_waiting=70, kv_blocks_used=3, kv_blocks_total=12, itl_p90_ms=41
+        tokens_waiting=70, kv_blocks_used=3, kv_blocks_total=12, itl_mean_ms=41
     )
     assert load.kv_usage == 0.25
     assert load_of(b'{"role": "decode"}') is NO_LOAD  # vLLM's workers report none
@@ -145,18 +145,18 @@ def test_planner_moves_a_worker_to_prefill_only_while_prompts_slow_the_streams()
     )
     autos = [worker(f"http://a{i}", "auto") for i in range(3)]
     for index, auto in enumerate(autos):
-        auto.load = WorkerLoad(tokens_waiting=5000, requests_running=3 - index, itl_p90_ms=12)
+        auto.load = WorkerLoad(tokens_waiting=5000, requests_running=3 - index, itl_mean_ms=12)
     planner.plan(autos, now=0.0)
     assert duties(autos) == ["decode"] * 3
-    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, itl_p90_ms=29)
+    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, itl_mean_ms=29)
     planner.plan(autos, now=1.0)
     assert duties(autos) == ["decode"] * 3  # just under the mark
-    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, itl_p90_ms=30)
+    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, itl_mean_ms=30)
     planner.plan(autos, now=2.0)
     assert duties(autos) == ["decode", "decode", "prefill"]  # the one running fewest
     # Going back to decode does not wait for the latency: the queue drains, it goes back.
     for auto in autos:
-        auto.load = WorkerLoad(tokens_waiting=10, itl_p90_ms=45)
+        auto.load = WorkerLoad(tokens_waiting=10, itl_mean_ms=45)
     planner.plan(autos, now=3.0)
     assert duties(autos) == ["decode"] * 3
 
@@ -299,7 +299,7 @@ def test_auto_workers_take_up_prefill_and_give_it_back_without_losing_a_request(
     # Both build up long local prefill queues, and the streams they decode slow down (the
     # default planner_decode_itl_high_ms, 50): the planner moves one to prefill.
     for fake in autos:
-        fake.control.load = {"tokens_waiting": 5000, "itl_p90_ms": 80}
+        fake.control.load = {"tokens_waiting": 5000, "itl_mean_ms": 80}
     wait_for(lambda: len(pool.available(("prefill",))) == 1)
     (prefiller,) = pool.available(("prefill",))
     # Keep the queue per prefill worker between the marks, so it stays.

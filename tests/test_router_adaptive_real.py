@@ -3,7 +3,7 @@
 Two auto workers (KV over tcp) behind a router start on decode duty: a colocated pool, every
 request whole. Waves of prompts fill their prefill queues (a small step budget keeps the prompt
 tokens waiting for many steps) past `--planner-prefill-queue-high`, while the streams they decode
-report inter-token latency (`itl_p90_ms`, at least the 1 ms asked here), until the planner moves
+report inter-token latency (`itl_mean_ms`, at least the 1 ms asked here), until the planner moves
 one of them onto prefill; one more wave goes out at once then, within `--planner-dwell-s`,
 so it runs disaggregated, its KV moving from that worker to the other. Once the load is served
 its queue is empty (under `--planner-prefill-queue-low`), and the planner moves it back. The

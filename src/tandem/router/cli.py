@@ -203,8 +203,8 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         default=DEFAULTS.planner_decode_itl_high_ms,
         metavar="MS",
         help="auto workers: one more prefills only while a decode worker's inter-token latency "
-        "(p90 of its last 10 s) is at least this too, i.e. prompts slow its streams (your TPOT "
-        "SLO; 0: on the prefill queue alone)",
+        "(the mean gap between tokens of its last 10 s) is at least this too, i.e. prompts slow "
+        "its streams (your TPOT SLO; 0: on the prefill queue alone)",
     )
     group.add_argument(
         "--planner-decode-kv-high",

@@ -68,7 +68,7 @@ class RouterConfig:
     max_prefill_queue_tokens: int = 8192
     # The planner of `auto` workers (planner.py): tokens waiting per worker above which one more
     # auto worker prefills, below which one goes back to decoding; the inter-token latency (a
-    # decode worker's p90) it takes besides to move one to prefill (0: the queue alone); the
+    # decode worker's mean) it takes besides to move one to prefill (0: the queue alone); the
     # decode side's KV cache use above which none leaves it; the least time between two changes.
     planner_prefill_queue_high: int = 4096
     planner_prefill_queue_low: int = 512

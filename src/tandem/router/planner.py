@@ -12,7 +12,7 @@ within `planner_dwell_s` of the last:
   per worker fall under `planner_prefill_queue_low` (prefill capacity idles);
 * else one auto `decode` worker takes up `prefill` when the tokens waiting per worker of the
   side that prefills (the prefill workers, or the decode side while there are none) pass
-  `planner_prefill_queue_high`, a decode worker's inter-token latency (p90 of its last seconds)
+  `planner_prefill_queue_high`, a decode worker's inter-token latency (mean of its last seconds)
   is at least `planner_decode_itl_high_ms` (0: not asked for), at least two workers serve
   decode, and decode has room.
 
@@ -74,7 +74,7 @@ class Planner:
         ):
             return min(on_prefill, key=lambda w: w.load.tokens_waiting), "decode"
         on_decode = [worker for worker in decode if worker.role == "auto"]
-        decode_itl_ms = max((w.load.itl_p90_ms for w in decode), default=0)
+        decode_itl_ms = max((w.load.itl_mean_ms for w in decode), default=0)
         if (
             on_decode
             and len(decode) >= 2

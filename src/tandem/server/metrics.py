@@ -46,7 +46,7 @@ LOAD_STATS = (
     "kv_blocks_total",
 )
 
-# the inter-token gaps a load report's itl_p90_ms is taken over: the last this many, of the last
+# the inter-token gaps a load report's itl_mean_ms is taken over: the last this many, of the last
 # RECENT_GAPS_S seconds
 RECENT_GAPS = 4096
 RECENT_GAPS_S = 10.0
@@ -163,7 +163,7 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.load: dict[str, int] = {}  # the latest of LOAD_STATS, for a router (/health)
-        # (time, gap) of the latest inter-token gaps, for the load report's itl_p90_ms
+        # (time, gap) of the latest inter-token gaps, for the load report's itl_mean_ms
         self.recent_gaps: deque[tuple[float, float]] = deque(maxlen=RECENT_GAPS)
         self.vllm_names = CollectorRegistry()
         self.vllm_names.register(VllmNames(self.registry, model_name))
@@ -174,12 +174,12 @@ class WorkerMetrics:
         self.recent_gaps.append((now, seconds))
 
     def load_report(self, now: float) -> dict[str, int]:
-        """What /health tells a router: LOAD_STATS, and itl_p90_ms, the 90th percentile of the
-        inter-token gaps of the last RECENT_GAPS_S seconds (0 without any), which the planner
-        reads as how much the streams this worker decodes are slowed."""
-        gaps = sorted(gap for at, gap in self.recent_gaps if now - at <= RECENT_GAPS_S)
-        p90_ms = round(gaps[int(0.9 * (len(gaps) - 1))] * 1000) if gaps else 0
-        return {**self.load, "itl_p90_ms": p90_ms}
+        """What /health tells a router: LOAD_STATS, and itl_mean_ms, the mean of the inter-token
+        gaps of the last RECENT_GAPS_S seconds (0 without any): its streams' time per output
+        token, which the planner compares with a TPOT target."""
+        gaps = [gap for at, gap in self.recent_gaps if now - at <= RECENT_GAPS_S]
+        mean_ms = round(1000 * sum(gaps) / len(gaps)) if gaps else 0
+        return {**self.load, "itl_mean_ms": mean_ms}
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
         """Apply one stats report of the engine core (each report is seen exactly once)."""
