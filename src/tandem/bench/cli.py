@@ -181,7 +181,9 @@ def add_compare_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--num-auto", type=int, help="auto workers of the adaptive cluster (default: P + D)"
     )
-    parser.add_argument("--port", type=int, help="router port (default: a free one)")
+    parser.add_argument(
+        "--port", type=int, help="router port (default: one free below the ephemeral range)"
+    )
     parser.add_argument(
         "--serve-command",
         help="command that starts a cluster (default: this Python's `-m tandem.cli serve`)",
