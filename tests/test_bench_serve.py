@@ -43,6 +43,7 @@ class FakeBehaviour:
     first_delay_s: float = FIRST_DELAY_S
     gap_s: float = GAP_S
     fault_every: int = 0
+    exit_at: int = 0  # the process exits (code 3) on request number exit_at (0: never)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     authorizations: list[str | None] = field(default_factory=list)  # of every request
 
@@ -72,6 +73,8 @@ def make_app(behaviour: FakeBehaviour) -> FastAPI:
         body = await request.json()
         behaviour.bodies.append(body)
         number = next(counter)
+        if behaviour.exit_at and number == behaviour.exit_at:
+            os._exit(3)
         fault = number % behaviour.fault_every if behaviour.fault_every else None
         if fault == 1:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
@@ -392,11 +395,12 @@ def serve_as_script() -> None:
     parser.add_argument("--record-file", required=True)
     parser.add_argument("--prefill", type=int)
     parser.add_argument("--auto", type=int)
+    parser.add_argument("--exit-at", type=int, default=0)
     known, _ = parser.parse_known_args()
     with open(known.record_file, "a") as record:
         record.write(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:]}) + "\n")
     configuration = "adaptive" if known.auto else "pd" if known.prefill else "colocated"
-    behaviour = FakeBehaviour(first_delay_s=FIRST_DELAY_S_OF[configuration])
+    behaviour = FakeBehaviour(first_delay_s=FIRST_DELAY_S_OF[configuration], exit_at=known.exit_at)
     uvicorn.run(make_app(behaviour), host="127.0.0.1", port=known.port, log_level="warning")
 
 
@@ -490,6 +494,23 @@ def test_compare_reports_a_cluster_that_dies(tmp_path: Path, capsys: pytest.Capt
     flags += ["--result-dir", str(tmp_path), "--num-prompts", "1", "--disable-tqdm"]
     assert run_cli(*flags) == 2
     assert "exited with code 3" in capsys.readouterr().err
+
+
+def test_compare_names_a_cluster_that_exits_during_its_sweep(tmp_path: Path, capsys) -> None:
+    """The fake cluster exits on its third request: the sweep goes on (the rest fail), the
+    console and compare.json name the exit, and the command ends with 1."""
+    record_file = tmp_path / "launches.jsonl"
+    flags = ["compare", "--model", MODEL, "--configurations", "pd"]
+    flags += ["--serve-command", f"{sys.executable} {Path(__file__).resolve()}"]
+    flags += ["--serve-args", f"--record-file {record_file} --exit-at 2"]
+    flags += ["--result-dir", str(tmp_path), "--num-prompts", "3", "--random-output-len", "2"]
+    flags += ["--request-rate", "20", "40", "--disable-tqdm"]
+    assert run_cli(*flags) == 1
+    assert "exited with code 3 during its sweep" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "compare.json").read_text())
+    assert summary["configurations"][0]["exited_during_sweep"] == 3
+    completed = [row["completed"] for row in summary["rows"]]
+    assert completed == [1, 0]  # the warm-up is request 0; the third request ended the cluster
 
 
 def test_compare_serves_the_default_model_without_model(tmp_path: Path, capsys) -> None:

@@ -19,7 +19,8 @@ and the planner's role changes) and the picture (goodput against load, TTFT and 
 throughput), and prints the summary table.
 
 Invariant: a cluster this command started is stopped before the command returns, whatever
-happened in between.
+happened in between. One that exits during its sweep is named (console, compare.json) and the
+command exits 1 once the others have run.
 """
 
 from __future__ import annotations
@@ -203,9 +204,9 @@ def wait_healthy(
 @contextlib.contextmanager
 def running_cluster(
     command: list[str], base_url: str, num_workers: int, log_path: Path, startup_timeout_s: float
-) -> Iterator[None]:
-    """Start `command` in a new process group, yield once it is healthy with all `num_workers`
-    workers, always stop the group."""
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start `command` in a new process group, yield its process once it is healthy with all
+    `num_workers` workers, always stop the group."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -213,7 +214,7 @@ def running_cluster(
         )
         try:
             wait_healthy(process, base_url, num_workers, startup_timeout_s, log_path)
-            yield
+            yield process
         finally:
             stop_group(process)
 
@@ -261,7 +262,7 @@ def main(args: argparse.Namespace) -> int:
     console = make_console()
     result_dir = Path(args.result_dir)
     tokenizer = load_tokenizer(args.tokenizer)
-    result_sets, commands, decisions = [], {}, {}
+    result_sets, commands, decisions, exit_codes = [], {}, {}, {}
     for cluster in clusters_for(args, result_dir):
         port = args.port or cluster_port(cluster.num_workers)
         base_url = f"http://127.0.0.1:{port}"
@@ -289,9 +290,15 @@ def main(args: argparse.Namespace) -> int:
         log_path = result_dir / f"{cluster.label}-serve.log"
         with running_cluster(
             command, base_url, cluster.num_workers, log_path, args.startup_timeout
-        ):
+        ) as process:
             outcome = asyncio.run(run_sweep(options, tokenizer, console))
             decisions[cluster.label] = scrape_router_decisions(base_url)
+            if process.poll() is not None:
+                exit_codes[cluster.label] = process.returncode
+                console.print(
+                    f"[red]{cluster.label}: the cluster exited with code {process.returncode} "
+                    f"during its sweep; its requests failed from then on; see {log_path}[/red]"
+                )
         console.print(f"{cluster.label}: the router decided {decisions[cluster.label]}")
         result_sets.append(ResultSet(cluster.label, outcome.results))
         commands[cluster.label] = command
@@ -300,9 +307,10 @@ def main(args: argparse.Namespace) -> int:
     if not args.goodput:
         console.print("no goodput without SLOs: pass --goodput ttft:MS tpot:MS")
     summary_path = result_dir / "compare.json"
-    write_json(summary_path, comparison_summary(result_sets, commands, rows, decisions))
+    summary = comparison_summary(result_sets, commands, rows, decisions, exit_codes)
+    write_json(summary_path, summary)
     output = Path(args.output) if args.output else result_dir / "compare.png"
     plot_result_sets(result_sets, output, args.title, args.x_metric, goodput_panel=True)
     console.print(f"wrote {summary_path}")
     console.print(f"wrote {output}")
-    return 0
+    return 1 if exit_codes else 0  # a cluster that died mid-sweep makes its numbers no measure

@@ -152,10 +152,12 @@ def comparison_summary(
     commands: dict[str, list[str]],
     rows: Sequence[dict[str, Any]],
     decisions: dict[str, Any] | None = None,
+    exit_codes: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The content of compare.json: what ran (model, SLOs, each configuration's command and what
-    its router decided over the sweep) and the rows of `comparison_rows`."""
-    decisions = decisions or {}
+    """The content of compare.json: what ran (model, SLOs, each configuration's command, what
+    its router decided over the sweep and, for a cluster that exited during it, its exit code)
+    and the rows of `comparison_rows`."""
+    decisions, exit_codes = decisions or {}, exit_codes or {}
     points = [point for result_set in result_sets for point in result_set.points]
     first = points[0] if points else {}
     return {
@@ -166,6 +168,7 @@ def comparison_summary(
                 "label": result_set.label,
                 "command": commands.get(result_set.label),
                 "router_decisions": decisions.get(result_set.label),
+                "exited_during_sweep": exit_codes.get(result_set.label),
             }
             for result_set in result_sets
         ],
