@@ -15,6 +15,7 @@ from rich.console import Console
 from tandem.bench import compare
 from tandem.bench.client import RequestRecord
 from tandem.bench.compare import clusters_for, router_decisions
+from tandem.bench.errors import BenchError
 from tandem.bench.metrics import compute_metrics
 from tandem.bench.plot import result_figure
 from tandem.bench.report import print_comparison_summary
@@ -74,6 +75,15 @@ def test_cluster_port_leaves_out_taken_and_ephemeral_ports(monkeypatch) -> None:
     assert port == busy_worker_port - 101 + 7
     assert seen_ranges == [(10000, 65000 - 202)] * 2
     assert 1024 < floor <= 65535
+
+
+def test_cluster_port_gives_up_with_a_clear_error(monkeypatch) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = taken.getsockname()[1]
+        monkeypatch.setattr(compare.random, "randrange", lambda low, high: busy)
+        monkeypatch.setattr(compare, "PORT_TRIES", 3)
+        with pytest.raises(BenchError, match="found no router port .* in 3 tries; pass --port"):
+            compare.cluster_port(num_workers=1)
 
 
 def test_configurations_flag_picks_and_orders_them(tmp_path: Path) -> None:

@@ -104,6 +104,9 @@ def clusters_for(args: argparse.Namespace, result_dir: Path) -> list[Cluster]:
     return [clusters[label] for label in dict.fromkeys(args.configurations)]
 
 
+PORT_TRIES = 1000
+
+
 def ephemeral_port_floor() -> int:
     """The first port the kernel hands out to outgoing connections (Linux; 32768 elsewhere)."""
     try:
@@ -118,7 +121,7 @@ def cluster_port(num_workers: int) -> int:
     (the router's health checks start before the workers listen) can take one first: a 4-GPU
     sweep lost two workers whose ports, picked in that range, were found taken."""
     ceiling = ephemeral_port_floor() - 200 - num_workers
-    while True:
+    for _ in range(PORT_TRIES):
         router = random.randrange(min(10000, ceiling // 2), ceiling)
         ports = [
             router,
@@ -131,6 +134,10 @@ def cluster_port(num_workers: int) -> int:
             return router
         except OSError:
             continue
+    raise BenchError(
+        f"found no router port below {ceiling} with {num_workers} free worker and KV ports "
+        f"after it in {PORT_TRIES} tries; pass --port"
+    )
 
 
 def group_alive(process: subprocess.Popen[bytes]) -> bool:
