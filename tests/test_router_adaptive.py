@@ -16,7 +16,7 @@ import pytest
 
 from fake_worker import FakeControl, create_fake_worker
 from tandem.launcher.cluster import ClusterError, parse_cluster
-from tandem.launcher.plan import expected_router_counts, plan_processes
+from tandem.launcher.plan import ADAPTIVE_ROUTER_KEYS, expected_router_counts, plan_processes
 from tandem.router.app import create_app
 from tandem.router.config import RouterConfig
 from tandem.router.decide import decide
@@ -365,10 +365,20 @@ def test_a_cluster_file_starts_auto_workers_and_passes_the_adaptive_router_keys(
     from tandem.router.config import DECODE_POLICIES, PREFILL_POLICIES
 
     flags = ["--prefill-policy", "round-robin", "--decode-policy", "prefix-aware"]
+    flags += ["--planner-decode-itl-high-ms", "12", "--planner-decode-kv-high", "0.7"]
     serve = build_parser().parse_args(["serve", *flags])
     router = plan_processes(parse_cluster(cluster_data(serve)), "cpu", 0, python="py")[-1].argv
     given = {router[i]: router[i + 1] for i in range(len(router) - 1) if router[i][:2] == "--"}
     assert (given["--prefill-policy"], given["--decode-policy"]) == ("round-robin", "prefix-aware")
+    assert given["--planner-decode-itl-high-ms"] == "12"
+    assert given["--planner-decode-kv-high"] == "0.7"
+    assert "--planner-dwell-s" not in given  # a flag not given keeps the router's default
+    # every router key a cluster file passes on is a `tandem serve` flag, and the router's
+    router_parser = build_parser()._subparsers._group_actions[0].choices["router"]
+    router_flags = {option for action in router_parser._actions for option in action.option_strings}
+    serve = build_parser().parse_args(["serve"])
+    for name in ADAPTIVE_ROUTER_KEYS:
+        assert f"--{name.replace('_', '-')}" in router_flags and hasattr(serve, name), name
     serve_parser = build_parser()._subparsers._group_actions[0].choices["serve"]
     choices = {action.dest: set(action.choices or ()) for action in serve_parser._actions}
     assert choices["prefill_policy"] == set(PREFILL_POLICIES)

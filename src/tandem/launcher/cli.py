@@ -21,6 +21,18 @@ import secrets
 import sys
 from typing import Any
 
+# the router's tuning of conditional disaggregation and of the planner, flags of `tandem serve`
+# and keys of a cluster file's `router:` (name, type); `tandem router --help` says what each does
+ROUTER_TUNING = (
+    ("max_local_prefill_length", int),
+    ("max_prefill_queue_tokens", int),
+    ("planner_prefill_queue_high", int),
+    ("planner_prefill_queue_low", int),
+    ("planner_decode_itl_high_ms", int),
+    ("planner_decode_kv_high", float),
+    ("planner_dwell_s", float),
+)
+
 DEFAULT_CLUSTER: dict[str, Any] = {
     "roles": {
         "prefill": {"count": 1, "engine": {"kv_transport": "auto"}},
@@ -131,6 +143,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the router's choice of decode worker; prefix-aware sends a conversation's next "
         "turn where its KV already is (see tandem router --help)",
     )
+    for name, kind in ROUTER_TUNING:
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            metavar="VALUE",
+            help="the router's (see tandem router --help)",
+        )
     parser.add_argument(
         "--pd",
         type=int,
@@ -256,6 +275,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "router.disaggregation": args.disaggregation,
         "router.prefill_policy": args.prefill_policy,
         "router.decode_policy": args.decode_policy,
+        **{f"router.{name}": getattr(args, name) for name, _ in ROUTER_TUNING},
         "roles.prefill.engine.kv_transport": args.kv_transport,
         "roles.decode.engine.kv_transport": args.kv_transport,
         "roles.pd.engine.kv_transport": args.kv_transport,

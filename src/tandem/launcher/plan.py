@@ -27,19 +27,11 @@ from dataclasses import dataclass
 
 from tandem.access import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from tandem.kv.data import auto_transport
+from tandem.launcher.cli import ROUTER_TUNING
 from tandem.launcher.cluster import WORKER_ROLES, ClusterError, ClusterSpec
 
 # the router keys of a cluster file passed on as `tandem router --key-name value`
-ADAPTIVE_ROUTER_KEYS = (
-    "disaggregation",
-    "max_local_prefill_length",
-    "max_prefill_queue_tokens",
-    "planner_prefill_queue_high",
-    "planner_prefill_queue_low",
-    "planner_decode_itl_high_ms",
-    "planner_decode_kv_high",
-    "planner_dwell_s",
-)
+ADAPTIVE_ROUTER_KEYS = ("disaggregation", *(name for name, _ in ROUTER_TUNING))
 
 
 @dataclass(frozen=True)
