@@ -504,7 +504,7 @@ def test_compare_names_a_cluster_that_exits_during_its_sweep(tmp_path: Path, cap
     flags += ["--serve-command", f"{sys.executable} {Path(__file__).resolve()}"]
     flags += ["--serve-args", f"--record-file {record_file} --exit-at 2"]
     flags += ["--result-dir", str(tmp_path), "--num-prompts", "3", "--random-output-len", "2"]
-    flags += ["--request-rate", "20", "40", "--disable-tqdm"]
+    flags += ["--max-concurrency", "1", "2", "--disable-tqdm"]  # one at a time first
     assert run_cli(*flags) == 1
     assert "exited with code 3 during its sweep" in capsys.readouterr().out
     summary = json.loads((tmp_path / "compare.json").read_text())
