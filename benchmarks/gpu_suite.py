@@ -86,11 +86,17 @@ def expert_parameter(name: str) -> bool:
     return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
 
 
+def first_rank(core: EngineCore):
+    """What holds the model and runner of rank 0: the executor, or its rank under TP."""
+    executor = core.executor
+    return executor.rank if hasattr(executor, "rank") else executor
+
+
 def weight_bytes(core: EngineCore, decode: bool, expert_share: float = 1.0) -> int:
-    """Bytes of weights one forward pass reads (decode reads one embedding row, not the table;
-    of the routed experts, `expert_share` of them)."""
+    """Bytes of weights one forward pass reads on rank 0, its shard under TP (decode reads one
+    embedding row, not the table; of the routed experts, `expert_share` of them)."""
     total = 0.0
-    for name, param in core.executor.model.named_parameters():
+    for name, param in first_rank(core).model.named_parameters():
         tied = core.model_config.tie_word_embeddings
         if decode and name.endswith("embed_tokens.weight") and not tied:
             continue

@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 from gpu_suite import (  # this script's folder is on sys.path when it runs
     cuda_time,
+    first_rank,
     measure_in_children,
     prefill_step_s,
     random_requests,
     step_times_until_done,
+    weight_bytes,
 )
 
 from tandem.engine.config import EngineConfig
@@ -47,25 +49,10 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() / cuda_time(lambda: dest.copy_(source), 10)  # bytes/s, read + write
 
 
-def rank0_decode_bytes(core: EngineCore, context: int) -> int:
-    """Bytes rank 0 reads in one decode step: its weight shard (one embedding row, unless tied)
-    and its share of the context's KV."""
-    executor = core.executor
-    model = executor.rank.model if hasattr(executor, "rank") else executor.model
-    total = 0
-    for name, param in model.named_parameters():
-        if name.endswith("embed_tokens.weight") and not core.model_config.tie_word_embeddings:
-            continue
-        total += param.numel() * param.element_size()
-    return total + context * core.kv_spec.bytes_per_token
-
-
 def timed_replays(core: EngineCore) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
     """CUDA events around each replay of rank 0's batch-1 decode graph from now on: the GPU's
     time for the pass (under TP, waits for the other ranks at its collectives included)."""
-    executor = core.executor
-    runner = executor.rank.runner if hasattr(executor, "rank") else executor.runner
-    graph = runner.decode_graphs.graphs[1]
+    graph = first_rank(core).runner.decode_graphs.graphs[1]
     replay, events = graph.replay, []
 
     def timed_replay() -> None:
@@ -103,7 +90,9 @@ def measure(name: str) -> dict:
     replays = [] if eager else timed_replays(core)
     decode_s = statistics.median(step_times_until_done(core)[10:])
     replay_ms = [start.elapsed_time(end) for start, end in replays[10:]]
-    roofline_s = rank0_decode_bytes(core, 128 + 80) / bandwidth
+    # rank 0's reads in a step: its weight shard and its share of the context's KV
+    decode_bytes = weight_bytes(core, decode=True) + (128 + 80) * core.kv_spec.bytes_per_token
+    roofline_s = decode_bytes / bandwidth
     core.shutdown()
     return {
         "prefill_8192_ms": prefill_s * 1e3,
