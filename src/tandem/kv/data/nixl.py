@@ -5,7 +5,8 @@ Each worker makes one NIXL agent with the UCX backend and registers its whole KV
 hundred bytes), so a destination adds each source agent once, on its first read from it, with
 no side channel. A read is one NIXL READ of every region (kv/data/registered.py), polled with
 check_xfer_state until done, failed or past the transfer timeout (then released, which cancels
-it). UCX picks its transports and devices from its own environment: UCX_TLS (e.g. `tcp`, or
+it). The agent's UCX backend runs `VRAM_UCX_WORKERS` workers for a cache on a GPU. UCX picks
+its transports and devices from its own environment: UCX_TLS (e.g. `tcp`, or
 `rc,cuda_copy,cuda_ipc`), UCX_NET_DEVICES (e.g. `mlx5_0:1` or `eth0`); docs/multi-host.md.
 """
 
@@ -38,6 +39,12 @@ except ImportError:
 
 logger = logging.getLogger(__name__)
 
+# UCX workers of the agent's backend (NIXL's `num_workers`, 1 by default) where the cache is in
+# VRAM: between two H200s one NIXL read of 56 regions of 20 MB took 4.6 ms with one, 3.8 ms with
+# four. Over TCP on the 2-core CPU machine four were no faster (1.62 s against 1.45 s for 1.1 GB),
+# so host memory keeps one (docs/benchmarks.md).
+VRAM_UCX_WORKERS = 4
+
 
 class NixlDataPlane(RegisteredMemoryPlane):
     library = "nixl"
@@ -46,9 +53,11 @@ class NixlDataPlane(RegisteredMemoryPlane):
         super().__init__(device, *args, **kwargs)
         self.memory_type = "VRAM" if device.type == "cuda" else "DRAM"
         config = nixl_agent_config(
-            backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
         self.agent = nixl_agent(f"tandem-{uuid.uuid4().hex}", config)
+        workers = VRAM_UCX_WORKERS if device.type == "cuda" else 1
+        self.agent.create_backend("UCX", {"num_workers": str(workers)})
         self.lock = threading.Lock()
         self.remote_agents: set[str] = set()
 
