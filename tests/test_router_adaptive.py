@@ -50,10 +50,10 @@ def worker(url: str, role: str = "decode", tokens_waiting: int = 0, **load: int)
 def test_load_reports_are_read_from_health_answers():
     body = b'{"status": "ok", "load": {"tokens_waiting": 70, "kv_blocks_used": 3, '
     body += b'"kv_blocks_total": 12, "requests_running": "many", "requests_waiting": -1, '
-    body += b'"itl_mean_ms": 41}}'
+    body += b'"tpot_p90_ms": 41}}'
     load = load_of(body)
     assert load == WorkerLoad(
-        tokens_waiting=70, kv_blocks_used=3, kv_blocks_total=12, itl_mean_ms=41
+        tokens_waiting=70, kv_blocks_used=3, kv_blocks_total=12, tpot_p90_ms=41
     )
     assert load.kv_usage == 0.25
     assert load_of(b'{"role": "decode"}') is NO_LOAD  # vLLM's workers report none
@@ -85,7 +85,7 @@ def planner_config(**changes: Any) -> RouterConfig:
     settings = dict(
         planner_prefill_queue_high=1000,
         planner_prefill_queue_low=100,
-        planner_decode_itl_high_ms=0,  # the queue alone, unless a test asks for the latency
+        planner_decode_tpot_high_ms=30,
         planner_decode_kv_high=0.8,
         planner_dwell_s=5.0,
     )
@@ -103,15 +103,17 @@ def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts():
     planner.plan(autos, now=0.0)
     assert duties(autos) == ["decode"] * 3  # alone, auto workers are a colocated pool
 
-    # Long prompts pile up in the decode workers' own prefill queues: one of them prefills.
+    # Prompts wait in the decode workers' own queues while their streams' TPOT p90 is over the
+    # mark: one of them prefills, the least busy.
     for auto in autos:
-        auto.load = WorkerLoad(tokens_waiting=1500, requests_running=4)
-    autos[1].load = WorkerLoad(tokens_waiting=1500, requests_running=1)  # the least busy
+        auto.load = WorkerLoad(tokens_waiting=1500, requests_running=4, tpot_p90_ms=40)
+    autos[1].load = WorkerLoad(tokens_waiting=1500, requests_running=1, tpot_p90_ms=40)
     planner.plan(autos, now=10.0)
     assert duties(autos) == ["decode", "prefill", "decode"]
     planner.plan(autos, now=12.0)  # within the dwell time: no second change
     assert duties(autos) == ["decode", "prefill", "decode"]
-    # Still too much for one prefill worker, and two remain on decode: one more.
+    # The prefill worker falls behind (its mean since the change, 1500 and 3000, over the high
+    # mark), and two remain on decode: one more.
     autos[1].load = WorkerLoad(tokens_waiting=3000)
     planner.plan(autos, now=16.0)
     assert duties(autos) == ["prefill", "prefill", "decode"]
@@ -136,29 +138,54 @@ def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts():
     assert 'tandem_router_auto_worker_duty{duty="decode",worker="http://a0"} 1.0' in samples
 
 
-def test_planner_moves_a_worker_to_prefill_only_while_prompts_slow_the_streams():
-    """With planner_decode_itl_high_ms set, a long prefill queue alone moves no worker (its
-    colocated workers prefill in chunks beside their streams); once a decode worker's inter-token
-    latency reaches the mark, the least busy auto worker takes up prefill."""
-    planner = Planner(
-        planner_config(planner_decode_itl_high_ms=30, planner_dwell_s=0.0), RouterMetrics()
-    )
+def test_planner_splits_a_colocated_pool_only_while_prompts_slow_the_streams():
+    """A colocated pool moves a worker to prefill once a worker's TPOT p90 reaches the mark while
+    prompts wait; a long queue alone (the streams keep their TPOT), a slow TPOT with no prompt
+    waiting (decoding itself is the load), or a mark of 0 moves none."""
+    planner = Planner(planner_config(planner_dwell_s=0.0), RouterMetrics())
     autos = [worker(f"http://a{i}", "auto") for i in range(3)]
     for index, auto in enumerate(autos):
-        auto.load = WorkerLoad(tokens_waiting=5000, requests_running=3 - index, itl_mean_ms=12)
+        auto.load = WorkerLoad(tokens_waiting=5000, requests_running=3 - index, tpot_p90_ms=12)
     planner.plan(autos, now=0.0)
     assert duties(autos) == ["decode"] * 3
-    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, itl_mean_ms=29)
+    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, tpot_p90_ms=29)
     planner.plan(autos, now=1.0)
     assert duties(autos) == ["decode"] * 3  # just under the mark
-    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, itl_mean_ms=30)
+    for auto in autos:
+        auto.load = WorkerLoad(tokens_waiting=99, tpot_p90_ms=45)
     planner.plan(autos, now=2.0)
+    assert duties(autos) == ["decode"] * 3  # a queue under the low mark: nothing to move
+    for index, auto in enumerate(autos):
+        auto.load = WorkerLoad(tokens_waiting=5000, requests_running=3 - index)
+    autos[0].load = WorkerLoad(tokens_waiting=5000, requests_running=3, tpot_p90_ms=30)
+    never = Planner(
+        planner_config(planner_dwell_s=0.0, planner_decode_tpot_high_ms=0), RouterMetrics()
+    )
+    never.plan(autos, now=3.0)
+    assert duties(autos) == ["decode"] * 3  # mark 0: never on latency
+    planner.plan(autos, now=3.0)
     assert duties(autos) == ["decode", "decode", "prefill"]  # the one running fewest
     # Going back to decode does not wait for the latency: the queue drains, it goes back.
     for auto in autos:
-        auto.load = WorkerLoad(tokens_waiting=10, itl_mean_ms=45)
-    planner.plan(autos, now=3.0)
+        auto.load = WorkerLoad(tokens_waiting=10, tpot_p90_ms=45)
+    planner.plan(autos, now=4.0)
     assert duties(autos) == ["decode"] * 3
+
+
+def test_planner_takes_the_queue_as_its_mean_over_the_dwell_time():
+    """A prefill worker between prompts reports an empty queue on some rounds: the mean of the
+    rounds since the last change, not the last round, sends it back."""
+    planner = Planner(planner_config(planner_dwell_s=4.0), RouterMetrics())
+    autos = [worker(f"http://a{i}", "auto", 3000, tpot_p90_ms=40) for i in range(2)]
+    planner.plan(autos, now=0.0)
+    assert duties(autos) == ["prefill", "decode"]
+    for now, waiting in ((1.0, 0), (2.0, 400), (3.0, 0), (4.0, 0)):
+        autos[0].load = WorkerLoad(tokens_waiting=waiting)
+        planner.plan(autos, now=now)
+    # the last round saw none waiting, but the mean over 0 to 4 s is 100: the low mark, kept
+    assert duties(autos) == ["prefill", "decode"]
+    planner.plan(autos, now=5.0)  # 1 to 5 s: 0, 400, 0, 0, 0, a mean of 80
+    assert duties(autos) == ["decode", "decode"]
 
 
 def test_planner_leaves_dedicated_workers_alone_and_keeps_an_auto_prefill_busy_enough():
@@ -297,9 +324,9 @@ def test_auto_workers_take_up_prefill_and_give_it_back_without_losing_a_request(
     assert decisions(router) == {'decision="whole",reason="no_prefill_worker"': 1.0}
 
     # Both build up long local prefill queues, and the streams they decode slow down (the
-    # default planner_decode_itl_high_ms, 50): the planner moves one to prefill.
+    # default planner_decode_tpot_high_ms, 50): the planner moves one to prefill.
     for fake in autos:
-        fake.control.load = {"tokens_waiting": 5000, "itl_mean_ms": 80}
+        fake.control.load = {"tokens_waiting": 5000, "tpot_p90_ms": 80}
     wait_for(lambda: len(pool.available(("prefill",))) == 1)
     (prefiller,) = pool.available(("prefill",))
     # Keep the queue per prefill worker between the marks, so it stays.
@@ -365,12 +392,12 @@ def test_a_cluster_file_starts_auto_workers_and_passes_the_adaptive_router_keys(
     from tandem.router.config import DECODE_POLICIES, PREFILL_POLICIES
 
     flags = ["--prefill-policy", "round-robin", "--decode-policy", "prefix-aware"]
-    flags += ["--planner-decode-itl-high-ms", "12", "--planner-decode-kv-high", "0.7"]
+    flags += ["--planner-decode-tpot-high-ms", "12", "--planner-decode-kv-high", "0.7"]
     serve = build_parser().parse_args(["serve", *flags])
     router = plan_processes(parse_cluster(cluster_data(serve)), "cpu", 0, python="py")[-1].argv
     given = {router[i]: router[i + 1] for i in range(len(router) - 1) if router[i][:2] == "--"}
     assert (given["--prefill-policy"], given["--decode-policy"]) == ("round-robin", "prefix-aware")
-    assert given["--planner-decode-itl-high-ms"] == "12"
+    assert given["--planner-decode-tpot-high-ms"] == "12"
     assert given["--planner-decode-kv-high"] == "0.7"
     assert "--planner-dwell-s" not in given  # a flag not given keeps the router's default
     # every router key a cluster file passes on is a `tandem serve` flag, and the router's

@@ -2,11 +2,12 @@
 
 Two auto workers (KV over tcp) behind a router start on decode duty: a colocated pool, every
 request whole. Waves of prompts fill their prefill queues (a small step budget keeps the prompt
-tokens waiting for many steps) past `--planner-prefill-queue-high`, while the streams they decode
-report inter-token latency (`itl_mean_ms`, at least the 1 ms asked here), until the planner moves
-one of them onto prefill; one more wave goes out at once then, within `--planner-dwell-s`,
-so it runs disaggregated, its KV moving from that worker to the other. Once the load is served
-its queue is empty (under `--planner-prefill-queue-low`), and the planner moves it back. The
+tokens waiting for many steps) past `--planner-prefill-queue-low`, while the responses they
+finish report their time per output token (`tpot_p90_ms`, at least the 1 ms asked here), until
+the planner moves one of them onto prefill; one more wave goes out at once then, within
+`--planner-dwell-s`, so it runs disaggregated, its KV moving from that worker to the other. Once
+the load is served its queue stays empty (its mean under `--planner-prefill-queue-low`), and the
+planner moves it back. The
 thresholds and the health round are the router's own flags.
 
 Checked: the router counts both moves and ends with both workers on decode; KV did move
@@ -62,7 +63,7 @@ def cluster(tiny_checkpoints, tmp_path_factory) -> Iterator[dict]:
             str(2 * STEP_TOKENS),
             "--planner-prefill-queue-low",
             "1",
-            "--planner-decode-itl-high-ms",  # any gap between tokens: the load report's latency
+            "--planner-decode-tpot-high-ms",  # any response's TPOT p90 in the load reports
             "1",
             "--planner-dwell-s",
             "2",

@@ -942,20 +942,23 @@ def test_metrics_count_one_streamed_request_exactly(worker, client):
         assert after[f"vllm:num_{name}"] == after[f"tandem_{name}"]
     used, total = after["tandem_kv_cache_blocks_used"], after["tandem_kv_cache_blocks_total"]
     assert after["vllm:kv_cache_usage_perc"] == used / total
-    # the gaps just observed are in the load report a router reads (integer milliseconds)
+    # the response's time per output token is in the load report a router reads (integer ms)
     load = httpx.get(f"{worker.url}/health", timeout=10).json()["load"]
-    assert isinstance(load["itl_mean_ms"], int) and load["itl_mean_ms"] >= 1
+    assert isinstance(load["tpot_p90_ms"], int) and load["tpot_p90_ms"] >= 1
 
 
-def test_load_report_latency_is_the_mean_of_the_last_gaps():
+def test_load_report_latency_is_the_p90_of_the_last_responses_tpot():
     metrics = WorkerMetrics("m")
-    assert metrics.load_report(now=100.0)["itl_mean_ms"] == 0  # no gap yet
-    metrics.observe_gap(now=75.0, seconds=0.9)  # older than the window at 100 s: left out
-    for milliseconds in (8, 2, 10, 4, 6):
-        metrics.observe_gap(now=95.0, seconds=milliseconds / 1000)
+    assert metrics.load_report(now=100.0)["tpot_p90_ms"] == 0  # no response yet
+    metrics.observe_tpot(now=75.0, seconds=0.9)  # older than the window at 100 s: left out
+    for milliseconds in (8, 2, 10, 4, 6, 1, 3, 5, 7, 9):
+        metrics.observe_tpot(now=95.0, seconds=milliseconds / 1000)
     metrics.load = {"tokens_waiting": 12}
-    assert metrics.load_report(now=100.0) == {"tokens_waiting": 12, "itl_mean_ms": 6}
-    assert metrics.load_report(now=106.0)["itl_mean_ms"] == 0  # all of them older than 10 s
+    # nearest rank: the 9th of the ten in order
+    assert metrics.load_report(now=100.0) == {"tokens_waiting": 12, "tpot_p90_ms": 9}
+    metrics.observe_tpot(now=96.0, seconds=0.011)
+    assert metrics.load_report(now=100.0)["tpot_p90_ms"] == 10  # the 10th of eleven
+    assert metrics.load_report(now=106.5)["tpot_p90_ms"] == 0  # all of them older than 10 s
 
 
 def test_prefix_cache_hits_show_in_usage_and_metrics(worker, client):

@@ -28,7 +28,7 @@ ROUTER_TUNING = (
     ("max_prefill_queue_tokens", int),
     ("planner_prefill_queue_high", int),
     ("planner_prefill_queue_low", int),
-    ("planner_decode_itl_high_ms", int),
+    ("planner_decode_tpot_high_ms", int),
     ("planner_decode_kv_high", float),
     ("planner_dwell_s", float),
 )

@@ -109,7 +109,7 @@ class RouterSpec(_Strict):
     max_prefill_queue_tokens: int | None = Field(default=None, ge=0)
     planner_prefill_queue_high: int | None = Field(default=None, ge=0)
     planner_prefill_queue_low: int | None = Field(default=None, ge=0)
-    planner_decode_itl_high_ms: int | None = Field(default=None, ge=0)
+    planner_decode_tpot_high_ms: int | None = Field(default=None, ge=0)
     planner_decode_kv_high: float | None = Field(default=None, ge=0, le=1)
     planner_dwell_s: float | None = Field(default=None, ge=0)
     extra_args: tuple[str, ...] = ()

@@ -186,25 +186,27 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=DEFAULTS.planner_prefill_queue_high,
         metavar="TOKENS",
-        help="auto workers: tokens waiting per prefilling worker above which one more auto "
-        "worker prefills",
+        help="auto workers: tokens waiting per prefill worker (the mean over --planner-dwell-s) "
+        "above which one more auto worker prefills",
     )
     group.add_argument(
         "--planner-prefill-queue-low",
         type=int,
         default=DEFAULTS.planner_prefill_queue_low,
         metavar="TOKENS",
-        help="auto workers: tokens waiting per prefill worker below which an auto worker goes "
-        "back to decoding",
+        help="auto workers: tokens waiting per prefilling worker (the mean over "
+        "--planner-dwell-s) below which an auto worker goes back to decoding, and which a "
+        "colocated pool must reach to split",
     )
     group.add_argument(
-        "--planner-decode-itl-high-ms",
+        "--planner-decode-tpot-high-ms",
         type=int,
-        default=DEFAULTS.planner_decode_itl_high_ms,
+        default=DEFAULTS.planner_decode_tpot_high_ms,
         metavar="MS",
-        help="auto workers: one more prefills only while a decode worker's inter-token latency "
-        "(the mean gap between tokens of its last 10 s) is at least this too, i.e. prompts slow "
-        "its streams (your TPOT SLO; 0: on the prefill queue alone)",
+        help="auto workers: a pool that decodes and prefills on the same workers moves one to "
+        "prefill once a worker's 90th percentile time per output token (its responses of the "
+        "last 10 s) reaches this: 10%% of its streams miss a TPOT SLO of this (set it to yours; "
+        "0: never)",
     )
     group.add_argument(
         "--planner-decode-kv-high",
@@ -251,7 +253,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         planner_prefill_queue_high=args.planner_prefill_queue_high,
         planner_prefill_queue_low=args.planner_prefill_queue_low,
-        planner_decode_itl_high_ms=args.planner_decode_itl_high_ms,
+        planner_decode_tpot_high_ms=args.planner_decode_tpot_high_ms,
         planner_decode_kv_high=args.planner_decode_kv_high,
         planner_dwell_s=args.planner_dwell_s,
         busy_poll_s=args.busy_poll_s,

@@ -66,13 +66,14 @@ class RouterConfig:
     disaggregation: str = "always"
     max_local_prefill_length: int = 512
     max_prefill_queue_tokens: int = 8192
-    # The planner of `auto` workers (planner.py): tokens waiting per worker above which one more
-    # auto worker prefills, below which one goes back to decoding; the inter-token latency (a
-    # decode worker's mean) it takes besides to move one to prefill (0: the queue alone); the
-    # decode side's KV cache use above which none leaves it; the least time between two changes.
+    # The planner of `auto` workers (planner.py): tokens waiting per prefill worker above which
+    # one more prefills, and per prefilling worker below which one goes back to decoding (both
+    # the mean over the dwell time); the TPOT (a decode worker's p90) at which a colocated pool
+    # splits (0: never); the decode side's KV cache use above which none leaves it; the least
+    # time between two changes, over which the queues are averaged.
     planner_prefill_queue_high: int = 4096
     planner_prefill_queue_low: int = 512
-    planner_decode_itl_high_ms: int = 50
+    planner_decode_tpot_high_ms: int = 50
     planner_decode_kv_high: float = 0.8
     planner_dwell_s: float = 5.0
     # Streamed PD requests send both legs at once where the workers take handoffs.
@@ -103,8 +104,8 @@ class RouterConfig:
             raise ValueError("the conditional disaggregation thresholds must be 0 or more")
         if not 0 <= self.planner_prefill_queue_low <= self.planner_prefill_queue_high:
             raise ValueError("planner_prefill_queue_low must be between 0 and the high mark")
-        if self.planner_decode_itl_high_ms < 0:
-            raise ValueError("planner_decode_itl_high_ms must be 0 or more")
+        if self.planner_decode_tpot_high_ms < 0:
+            raise ValueError("planner_decode_tpot_high_ms must be 0 or more")
         if self.busy_poll_s < 0:
             raise ValueError("busy_poll_s must be 0 or more")
         if self.max_attempts < 1:

@@ -49,7 +49,7 @@ class WorkerLoad:
     tokens_waiting: int = 0  # prompt tokens admitted and not yet computed (its prefill queue)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
-    itl_mean_ms: int = 0  # the mean gap between tokens of its responses in the last seconds
+    tpot_p90_ms: int = 0  # 90th percentile of its responses' time per output token, last seconds
 
     @property
     def kv_usage(self) -> float:

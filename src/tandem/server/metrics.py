@@ -9,6 +9,7 @@ scrape, so responses pay nothing for them.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -46,10 +47,10 @@ LOAD_STATS = (
     "kv_blocks_total",
 )
 
-# the inter-token gaps a load report's itl_mean_ms is taken over: the last this many, of the last
-# RECENT_GAPS_S seconds
-RECENT_GAPS = 4096
-RECENT_GAPS_S = 10.0
+# the responses a load report's tpot_p90_ms is taken over: the last this many, of those that
+# ended in the last RECENT_TPOTS_S seconds
+RECENT_TPOTS = 1024
+RECENT_TPOTS_S = 10.0
 
 # tandem's metric -> vLLM's name for the same (label renames beside)
 VLLM_NAMES = {
@@ -163,23 +164,24 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.load: dict[str, int] = {}  # the latest of LOAD_STATS, for a router (/health)
-        # (time, gap) of the latest inter-token gaps, for the load report's itl_mean_ms
-        self.recent_gaps: deque[tuple[float, float]] = deque(maxlen=RECENT_GAPS)
+        # (end, time per output token) of the latest responses, for the load report's tpot_p90_ms
+        self.recent_tpots: deque[tuple[float, float]] = deque(maxlen=RECENT_TPOTS)
         self.vllm_names = CollectorRegistry()
         self.vllm_names.register(VllmNames(self.registry, model_name))
 
-    def observe_gap(self, now: float, seconds: float) -> None:
-        """One inter-token gap of a response, ending at `now` (time.monotonic())."""
-        self.itl.labels(self.model_name).observe(seconds)
-        self.recent_gaps.append((now, seconds))
+    def observe_tpot(self, now: float, seconds: float) -> None:
+        """The time per output token of a response that ended at `now` (time.monotonic()): the
+        time from its first token to its last over the tokens after the first."""
+        self.recent_tpots.append((now, seconds))
 
     def load_report(self, now: float) -> dict[str, int]:
-        """What /health tells a router: LOAD_STATS, and itl_mean_ms, the mean of the inter-token
-        gaps of the last RECENT_GAPS_S seconds (0 without any): its streams' time per output
-        token, which the planner compares with a TPOT target."""
-        gaps = [gap for at, gap in self.recent_gaps if now - at <= RECENT_GAPS_S]
-        mean_ms = round(1000 * sum(gaps) / len(gaps)) if gaps else 0
-        return {**self.load, "itl_mean_ms": mean_ms}
+        """What /health tells a router: LOAD_STATS, and tpot_p90_ms, the 90th percentile of the
+        time per output token of the responses that ended in the last RECENT_TPOTS_S seconds (0
+        without any; nearest rank): at or over a TPOT SLO, 10% of them or more missed it, which
+        is what the planner compares with its mark."""
+        tpots = sorted(tpot for at, tpot in self.recent_tpots if now - at <= RECENT_TPOTS_S)
+        p90_ms = round(1000 * tpots[math.ceil(0.9 * len(tpots)) - 1]) if tpots else 0
+        return {**self.load, "tpot_p90_ms": p90_ms}
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
         """Apply one stats report of the engine core (each report is seen exactly once)."""

@@ -255,13 +255,16 @@ def check_error(delta: SequenceDelta) -> None:
 
 
 class LatencyTracker:
-    """Feeds TTFT, inter-token and end-to-end latency of one response into the metrics."""
+    """Feeds TTFT, inter-token and end-to-end latency of one response into the metrics, and the
+    time per output token of a response of one choice into the load report."""
 
     def __init__(self, metrics: WorkerMetrics, model_name: str, arrival: float) -> None:
         self.metrics = metrics
         self.model_name = model_name
         self.arrival = arrival
+        self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.tokens = 0
 
     def observe(self, delta: SequenceDelta) -> None:
         if not delta.token_ids:
@@ -269,12 +272,19 @@ class LatencyTracker:
         now = time.monotonic()
         if self.last_token_time is None:
             self.metrics.ttft.labels(self.model_name).observe(now - self.arrival)
+            self.first_token_time = now
         else:
-            self.metrics.observe_gap(now, now - self.last_token_time)
+            self.metrics.itl.labels(self.model_name).observe(now - self.last_token_time)
         self.last_token_time = now
+        self.tokens += len(delta.token_ids)
         self.metrics.generation_tokens.labels(self.model_name).inc(len(delta.token_ids))
 
     def finish(self, choices) -> None:
-        self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - self.arrival)
+        now = time.monotonic()
+        self.metrics.e2e.labels(self.model_name).observe(now - self.arrival)
+        choices = list(choices)
+        if len(choices) == 1 and self.tokens > 1:  # one stream of tokens: its TPOT
+            tpot = (self.last_token_time - self.first_token_time) / (self.tokens - 1)
+            self.metrics.observe_tpot(now, tpot)
         for choice in choices:
             self.metrics.requests.labels(self.model_name, choice.finish_reason or "abort").inc()
