@@ -126,9 +126,9 @@ def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts():
     autos[0].load = WorkerLoad(tokens_waiting=2000)
     planner.plan(autos, now=40.0)
     assert duties(autos) == ["decode", "prefill", "decode"]  # the one with less waiting
-    # The prefill queue drains: the last auto prefill worker goes back too.
+    # The prefill worker runs idle: the last auto prefill worker goes back too.
     for auto in autos:
-        auto.load = WorkerLoad(tokens_waiting=50)
+        auto.load = WorkerLoad(tokens_waiting=0)
     planner.plan(autos, now=50.0)
     assert duties(autos) == ["decode"] * 3
 
@@ -165,26 +165,28 @@ def test_planner_splits_a_colocated_pool_only_while_prompts_slow_the_streams():
     assert duties(autos) == ["decode"] * 3  # mark 0: never on latency
     planner.plan(autos, now=3.0)
     assert duties(autos) == ["decode", "decode", "prefill"]  # the one running fewest
-    # Going back to decode does not wait for the latency: the queue drains, it goes back.
+    # Going back to decode does not wait for the latency: the prefill worker idles, it goes back.
     for auto in autos:
-        auto.load = WorkerLoad(tokens_waiting=10, tpot_p90_ms=45)
+        auto.load = WorkerLoad(tokens_waiting=0, tpot_p90_ms=45)
     planner.plan(autos, now=4.0)
     assert duties(autos) == ["decode"] * 3
 
 
-def test_planner_takes_the_queue_as_its_mean_over_the_dwell_time():
-    """A prefill worker between prompts reports an empty queue on some rounds: the mean of the
-    rounds since the last change, not the last round, sends it back."""
+def test_planner_gives_prefill_back_only_after_a_dwell_time_idle():
+    """A prefill worker between prompts reports an empty queue on most rounds: it goes back to
+    decoding only once no round of the dwell time saw a prompt waiting or a request running."""
     planner = Planner(planner_config(planner_dwell_s=4.0), RouterMetrics())
     autos = [worker(f"http://a{i}", "auto", 3000, tpot_p90_ms=40) for i in range(2)]
     planner.plan(autos, now=0.0)
     assert duties(autos) == ["prefill", "decode"]
-    for now, waiting in ((1.0, 0), (2.0, 400), (3.0, 0), (4.0, 0)):
-        autos[0].load = WorkerLoad(tokens_waiting=waiting)
+    for now, waiting, running in ((1.0, 0, 0), (2.0, 400, 0), (3.0, 0, 1), (4.0, 0, 0)):
+        autos[0].load = WorkerLoad(tokens_waiting=waiting, requests_running=running)
         planner.plan(autos, now=now)
-    # the last round saw none waiting, but the mean over 0 to 4 s is 100: the low mark, kept
+    assert duties(autos) == ["prefill", "decode"]  # busy at 2 and 3 s
+    autos[0].load = WorkerLoad()
+    planner.plan(autos, now=6.0)  # 2 to 6 s: still the round at 3 s
     assert duties(autos) == ["prefill", "decode"]
-    planner.plan(autos, now=5.0)  # 1 to 5 s: 0, 400, 0, 0, 0, a mean of 80
+    planner.plan(autos, now=7.5)  # 3.5 to 7.5 s: idle throughout
     assert duties(autos) == ["decode", "decode"]
 
 

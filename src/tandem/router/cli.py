@@ -194,9 +194,9 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=DEFAULTS.planner_prefill_queue_low,
         metavar="TOKENS",
-        help="auto workers: tokens waiting per prefilling worker (the mean over "
-        "--planner-dwell-s) below which an auto worker goes back to decoding, and which a "
-        "colocated pool must reach to split",
+        help="auto workers: tokens waiting per worker (the mean over --planner-dwell-s) that a "
+        "colocated pool must reach to split (an auto prefill worker goes back to decoding once "
+        "idle for --planner-dwell-s)",
     )
     group.add_argument(
         "--planner-decode-tpot-high-ms",

@@ -67,10 +67,10 @@ class RouterConfig:
     max_local_prefill_length: int = 512
     max_prefill_queue_tokens: int = 8192
     # The planner of `auto` workers (planner.py): tokens waiting per prefill worker above which
-    # one more prefills, and per prefilling worker below which one goes back to decoding (both
-    # the mean over the dwell time); the TPOT (a decode worker's p90) at which a colocated pool
-    # splits (0: never); the decode side's KV cache use above which none leaves it; the least
-    # time between two changes, over which the queues are averaged.
+    # one more prefills, and per worker the least at which a colocated pool splits (both the
+    # mean over the dwell time); the TPOT (a decode worker's p90) at which it splits (0: never);
+    # the decode side's KV cache use above which none leaves it; the least time between two
+    # changes, over which the queues are read.
     planner_prefill_queue_high: int = 4096
     planner_prefill_queue_low: int = 512
     planner_decode_tpot_high_ms: int = 50
