@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -155,6 +156,16 @@ def measure_in_children(script: str, names: Iterable[str]) -> dict[str, dict]:
         elapsed = time.perf_counter() - started
         print(f"{name} ({elapsed:.0f} s): {json.dumps(results[name])}", file=sys.stderr, flush=True)
     return results
+
+
+def end_child(result: dict) -> NoReturn:
+    """A child of `measure_in_children`: print its result and end the process at once. A
+    tensor-parallel engine's process otherwise waits at the interpreter's exit, in NCCL's
+    communicator abort (`~ProcessGroupNCCL`, its collective timeout: over a minute on 2 x H200,
+    torch 2.11), and its parent waits on the pipe meanwhile."""
+    print(json.dumps(result), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def step_times_until_done(core: EngineCore) -> list[float]:

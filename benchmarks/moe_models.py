@@ -27,6 +27,7 @@ from pathlib import Path
 
 from gpu_suite import (  # this script's folder is on sys.path when it runs
     ceilings,
+    end_child,
     expert_parameter,
     measure_in_children,
     prefill_step_s,
@@ -111,8 +112,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child)))
-        return
+        end_child(measure(args.child))
     results = measure_in_children(__file__, args.models)
     print("| model | prefill 8192 ms | TFLOP/s (fraction of matmul) | decode b1 ms (roofline "
           "fraction) | decode b64 ms (roofline fraction) |")  # fmt: skip

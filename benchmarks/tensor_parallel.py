@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from gpu_suite import (  # this script's folder is on sys.path when it runs
     cuda_time,
+    end_child,
     first_rank,
     measure_in_children,
     prefill_step_s,
@@ -110,8 +111,7 @@ def main() -> None:
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child)))
-        return
+        end_child(measure(args.child))
     results = measure_in_children(__file__, args.configs)
     print(f"{'config':<10} {'prefill 8192 ms':>16} {'decode b1 ms':>13} {'graph GPU ms':>13} "
           f"{'roofline frac':>14}")  # fmt: skip
