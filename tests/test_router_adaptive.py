@@ -331,7 +331,7 @@ def test_auto_workers_take_up_prefill_and_give_it_back_without_losing_a_request(
         fake.control.load = {"tokens_waiting": 5000, "tpot_p90_ms": 80}
     wait_for(lambda: len(pool.available(("prefill",))) == 1)
     (prefiller,) = pool.available(("prefill",))
-    # Keep the queue per prefill worker between the marks, so it stays.
+    # A prefill worker with prompts waiting (between the marks) is not idle, so it stays.
     for fake in autos:
         fake.control.load = {"tokens_waiting": 500}
     prefilling = next(fake for fake in autos if fake.url == prefiller.url)

@@ -6,8 +6,7 @@ tokens waiting for many steps) past `--planner-prefill-queue-low`, while the res
 finish report their time per output token (`tpot_p90_ms`, at least the 1 ms asked here), until
 the planner moves one of them onto prefill; one more wave goes out at once then, within
 `--planner-dwell-s`, so it runs disaggregated, its KV moving from that worker to the other. Once
-the load is served its queue stays empty (its mean under `--planner-prefill-queue-low`), and the
-planner moves it back. The
+the load is served it stays idle for the dwell time, and the planner moves it back. The
 thresholds and the health round are the router's own flags.
 
 Checked: the router counts both moves and ends with both workers on decode; KV did move
