@@ -204,9 +204,11 @@ def run_engine_core(
         context.destroy(linger=1000 if fatal is not None else 0)
         os.close(wake_read)
         os.close(wake_write)
-    if fatal is not None:
+        # No interpreter teardown: after a fatal error it could touch a broken device, and a
+        # tensor-parallel engine's waits in NCCL's communicator abort, up to the group's 120 s
+        # collective timeout once the other ranks are gone (2 x H200, torch 2.11).
         logging.shutdown()
-        os._exit(ENGINE_FAILED_EXIT_CODE)  # no teardown that could touch a broken device
+        os._exit(ENGINE_FAILED_EXIT_CODE if fatal is not None else 0)
 
 
 def handle_message(core, message: EngineInput, step_outputs: list) -> bool:
