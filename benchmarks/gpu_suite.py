@@ -161,8 +161,8 @@ def measure_in_children(script: str, names: Iterable[str]) -> dict[str, dict]:
 def end_child(result: dict) -> NoReturn:
     """A child of `measure_in_children`: print its result and end the process at once. A
     tensor-parallel engine's process otherwise waits at the interpreter's exit, in NCCL's
-    communicator abort (`~ProcessGroupNCCL`, its collective timeout: over a minute on 2 x H200,
-    torch 2.11), and its parent waits on the pipe meanwhile."""
+    communicator abort (`~ProcessGroupNCCL`: over a minute on 2 x H200, torch 2.11), and its
+    parent waits on the pipe meanwhile."""
     print(json.dumps(result), flush=True)
     sys.stderr.flush()
     os._exit(0)

@@ -205,8 +205,8 @@ def run_engine_core(
         os.close(wake_read)
         os.close(wake_write)
         # No interpreter teardown: after a fatal error it could touch a broken device, and a
-        # tensor-parallel engine's waits in NCCL's communicator abort, up to the group's 120 s
-        # collective timeout once the other ranks are gone (2 x H200, torch 2.11).
+        # tensor-parallel engine's waited in NCCL's communicator abort for over a minute once
+        # the other ranks were gone (2 x H200, torch 2.11).
         logging.shutdown()
         os._exit(ENGINE_FAILED_EXIT_CODE if fatal is not None else 0)
 
