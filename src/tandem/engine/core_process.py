@@ -208,6 +208,7 @@ def run_engine_core(
         # tensor-parallel engine's waited in NCCL's communicator abort for over a minute once
         # the other ranks were gone (2 x H200, torch 2.11).
         logging.shutdown()
+        sys.stdout.flush()
         os._exit(ENGINE_FAILED_EXIT_CODE if fatal is not None else 0)
 
 
