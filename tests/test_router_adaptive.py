@@ -8,6 +8,7 @@ text is known in advance whichever flow served it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -78,6 +79,21 @@ def test_load_reports_are_read_from_health_answers():
 def test_conditional_decision(uncached, prefill_queues, local_queue, expected):
     prefills = [worker(f"http://p{i}", "prefill", q) for i, q in enumerate(prefill_queues)]
     decision = decide(CONDITIONAL, uncached, prefills, worker("http://d", "decode", local_queue))
+    assert (decision.name, decision.reason) == expected
+
+
+@pytest.mark.parametrize(
+    ("mark_ms", "tpot_p90_ms", "expected"),
+    [
+        (50, 49, ("whole", "prefill_queue_full")),  # under the mark: the decode worker prefills
+        (50, 50, ("disaggregated", "long_prompt")),  # at it: the prompt waits for prefill
+        (0, 400, ("whole", "prefill_queue_full")),  # mark 0: TPOT not read
+    ],
+)
+def test_a_decode_worker_at_the_tpot_mark_takes_no_long_prompt(mark_ms, tpot_p90_ms, expected):
+    config = dataclasses.replace(CONDITIONAL, planner_decode_tpot_high_ms=mark_ms)
+    decode = worker("http://d", "decode", 200, tpot_p90_ms=tpot_p90_ms)
+    decision = decide(config, 5000, [worker("http://p", "prefill", 1001)], decode)
     assert (decision.name, decision.reason) == expected
 
 

@@ -30,6 +30,7 @@ from tandem.engine.structured_output import StructuredOutput
 from tandem.server.app import build_app
 from tandem.server.main import read_chat_template
 from tandem.server.metrics import WorkerMetrics
+from tandem.server.openai.writer import LatencyTracker
 from tandem.server.settings import ServerSettings
 from worker_fixtures import read_metrics, running_worker, wait_for_metric
 
@@ -959,6 +960,26 @@ def test_load_report_latency_is_the_p90_of_the_last_responses_tpot():
     metrics.observe_tpot(now=96.0, seconds=0.011)
     assert metrics.load_report(now=100.0)["tpot_p90_ms"] == 10  # the 10th of eleven
     assert metrics.load_report(now=106.5)["tpot_p90_ms"] == 0  # all of them older than 10 s
+
+
+def test_load_report_latency_counts_the_streams_running_now():
+    """A one-choice response streaming now counts with its TPOT so far once it has 16 tokens,
+    and leaves the live set when it ends (its final TPOT then counts as an ended response's)."""
+    metrics = WorkerMetrics("m")
+    slow, fast, many = (LatencyTracker(metrics, "m", 0.0, n) for n in (1, 1, 2))
+    assert metrics.live_streams == {slow, fast}  # two choices: no one stream's TPOT
+    slow.first_token_time, slow.last_token_time, slow.tokens = 10.0, 10.3, 16  # 20 ms a token
+    fast.first_token_time, fast.last_token_time, fast.tokens = 10.0, 10.03, 4  # too few yet
+    metrics.observe_tpot(now=95.0, seconds=0.005)
+    assert metrics.load_report(now=100.0)["tpot_p90_ms"] == 20  # the 2nd of 5 ms and 20 ms
+    fast.tokens = 16  # 2 ms a token
+    assert metrics.load_report(now=100.0)["tpot_p90_ms"] == 20  # the 3rd of 2, 5 and 20
+    slow.finish([])
+    assert metrics.live_streams == {fast}
+    # the ended stream's 20 ms is now an ended response's (at time.monotonic(), not 100 s)
+    assert [round(tpot, 6) for _, tpot in metrics.recent_tpots] == [0.005, 0.02]
+    many.finish([])
+    assert len(metrics.recent_tpots) == 2
 
 
 def test_prefix_cache_hits_show_in_usage_and_metrics(worker, client):

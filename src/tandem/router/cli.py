@@ -178,7 +178,8 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="TOKENS",
         help="conditional: a queue (prompt tokens waiting on a worker) this long is full: a "
         "longer prompt is prefilled locally while the prefill pool's queue is full and "
-        "longer than the decode worker's, and a short one is sent to the prefill pool while "
+        "longer than the decode worker's (and its streams' TPOT p90 is under "
+        "--planner-decode-tpot-high-ms), and a short one is sent to the prefill pool while "
         "the decode worker's is",
     )
     group.add_argument(
@@ -205,8 +206,9 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="MS",
         help="auto workers: a pool that decodes and prefills on the same workers moves one to "
         "prefill once a worker's 90th percentile time per output token (its responses of the "
-        "last 10 s) reaches this: 10%% of its streams miss a TPOT SLO of this (set it to yours; "
-        "0: never)",
+        "last 10 s and its streams now) reaches this: 10%% of its streams miss a TPOT SLO of "
+        "this (set it to yours; 0: never); conditional: a decode worker at it prefills no long "
+        "prompt",
     )
     group.add_argument(
         "--planner-decode-kv-high",

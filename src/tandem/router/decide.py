@@ -4,7 +4,8 @@ Dynamo's conditional disaggregation and llm-d's decider, on the router's own est
 inputs are the prompt's uncached length (its tokens, less the prefix the chosen decode worker
 holds as far as the router knows: the block hashes of the prompts it sent that worker), the
 prefill pool's queue (the least tokens waiting among the prefill workers, from their load
-reports) and the decode worker's own queue (its tokens waiting: prefills it runs itself):
+reports), the decode worker's own queue (its tokens waiting: prefills it runs itself) and its
+streams' TPOT p90 (`planner_decode_tpot_high_ms`, the planner's mark, 0: not read):
 
     uncached <= max_local_prefill_length (a short prompt)
         whole on the decode worker            short_prompt
@@ -12,8 +13,11 @@ reports) and the decode worker's own queue (its tokens waiting: prefills it runs
         disaggregated                         decode_busy
     a longer prompt
         disaggregated                         long_prompt
-        unless the prefill queue > max_prefill_queue_tokens and the decode worker's is
-        shorter: whole                        prefill_queue_full
+        unless the prefill queue > max_prefill_queue_tokens, the decode worker's is
+        shorter and its streams are under the mark: whole      prefill_queue_full
+
+A long prompt prefilled on a decode worker whose streams are at the TPOT mark would slow them
+further (a TPOT SLO missed by all of them); it waits for a prefill worker instead (TTFT pays).
 
 A prompt the router cannot read is disaggregated (`unknown_prompt`), as in the `always` mode.
 The router has no tokenizer: a text prompt counts one token per `CHARS_PER_TOKEN` characters, a
@@ -69,6 +73,8 @@ def decide(
         if local_queue > limit and prefill_queue < local_queue:
             return Decision(True, "decode_busy")
         return Decision(False, "short_prompt")
-    if prefill_queue > limit and local_queue < prefill_queue:
+    mark_ms = config.planner_decode_tpot_high_ms
+    streams_slowed = 0 < mark_ms <= decode_worker.load.tpot_p90_ms
+    if prefill_queue > limit and local_queue < prefill_queue and not streams_slowed:
         return Decision(False, "prefill_queue_full")
     return Decision(True, "long_prompt")

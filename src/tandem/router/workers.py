@@ -49,7 +49,7 @@ class WorkerLoad:
     tokens_waiting: int = 0  # prompt tokens admitted and not yet computed (its prefill queue)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
-    tpot_p90_ms: int = 0  # 90th percentile of its responses' time per output token, last seconds
+    tpot_p90_ms: int = 0  # 90th percentile of its streams' time per output token (recent, live)
 
     @property
     def kv_usage(self) -> float:

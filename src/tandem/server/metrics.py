@@ -1,10 +1,10 @@
 """The worker's Prometheus metrics, in a registry of its own (no process-global state).
 
 Gauges mirror the engine core's latest stats; histograms and counters are fed by the HTTP layer
-as responses progress, which also keeps the latest inter-token gaps (seconds' worth) for the load
-report a router reads on /health. The ones vLLM has are also shown under vLLM's names
-(`vllm:...`, label `model_name`), for the dashboards and routers that read those: copied at each
-scrape, so responses pay nothing for them.
+as responses progress, which also keeps the time per output token of the latest responses and of
+the streams running now, for the load report a router reads on /health. The ones vLLM has are
+also shown under vLLM's names (`vllm:...`, label `model_name`), for the dashboards and routers
+that read those: copied at each scrape, so responses pay nothing for them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
@@ -51,6 +51,14 @@ LOAD_STATS = (
 # ended in the last RECENT_TPOTS_S seconds
 RECENT_TPOTS = 1024
 RECENT_TPOTS_S = 10.0
+
+
+class LiveStream(Protocol):
+    """A response streaming its tokens now (writer.LatencyTracker)."""
+
+    def tpot_so_far(self) -> float | None:
+        """Its time per output token so far; None while too few tokens tell."""
+
 
 # tandem's metric -> vLLM's name for the same (label renames beside)
 VLLM_NAMES = {
@@ -166,6 +174,7 @@ class WorkerMetrics:
         self.load: dict[str, int] = {}  # the latest of LOAD_STATS, for a router (/health)
         # (end, time per output token) of the latest responses, for the load report's tpot_p90_ms
         self.recent_tpots: deque[tuple[float, float]] = deque(maxlen=RECENT_TPOTS)
+        self.live_streams: set[LiveStream] = set()  # the one-choice responses running now
         self.vllm_names = CollectorRegistry()
         self.vllm_names.register(VllmNames(self.registry, model_name))
 
@@ -176,10 +185,14 @@ class WorkerMetrics:
 
     def load_report(self, now: float) -> dict[str, int]:
         """What /health tells a router: LOAD_STATS, and tpot_p90_ms, the 90th percentile of the
-        time per output token of the responses that ended in the last RECENT_TPOTS_S seconds (0
-        without any; nearest rank): at or over a TPOT SLO, 10% of them or more missed it, which
-        is what the planner compares with its mark."""
-        tpots = sorted(tpot for at, tpot in self.recent_tpots if now - at <= RECENT_TPOTS_S)
+        time per output token of the responses that ended in the last RECENT_TPOTS_S seconds and
+        of those running now, so far (0 without any; nearest rank): at or over a TPOT SLO, 10% of
+        them or more miss it, which is what the planner compares with its mark. The running
+        ones make it tell within a fraction of a second that prompts slow the streams, not once
+        slowed responses have ended (seconds later)."""
+        tpots = [tpot for at, tpot in self.recent_tpots if now - at <= RECENT_TPOTS_S]
+        tpots += [tpot for tpot in (s.tpot_so_far() for s in self.live_streams) if tpot is not None]
+        tpots.sort()
         p90_ms = round(1000 * tpots[math.ceil(0.9 * len(tpots)) - 1]) if tpots else 0
         return {**self.load, "tpot_p90_ms": p90_ms}
 

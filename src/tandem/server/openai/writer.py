@@ -31,6 +31,9 @@ from tandem.server.metrics import WorkerMetrics
 from tandem.server.openai.protocol import ClientError, SamplingFields, error_body
 from tandem.server.settings import ServerSettings
 
+# a running stream counts in the load report's TPOT once it has this many tokens
+LIVE_TPOT_TOKENS = 16
+
 
 @dataclass
 class Choice:
@@ -143,7 +146,7 @@ class ResponseWriter:
         choices = self.new_choices()
         cached = 0
         kv_transfer_params = None
-        tracker = LatencyTracker(metrics, self.settings.served_model_name, arrival)
+        tracker = LatencyTracker(metrics, self.settings.served_model_name, arrival, len(choices))
         try:
             async for prompt_index, delta in deltas:
                 tracker.observe(delta)
@@ -182,7 +185,7 @@ class ResponseWriter:
     ) -> AsyncIterator[dict[str, Any]]:
         choices = self.new_choices()
         cached = 0
-        tracker = LatencyTracker(metrics, self.settings.served_model_name, arrival)
+        tracker = LatencyTracker(metrics, self.settings.served_model_name, arrival, len(choices))
         try:
             async for event in self.opening_chunks():
                 yield event
@@ -255,16 +258,22 @@ def check_error(delta: SequenceDelta) -> None:
 
 
 class LatencyTracker:
-    """Feeds TTFT, inter-token and end-to-end latency of one response into the metrics, and the
-    time per output token of a response of one choice into the load report."""
+    """Feeds TTFT, inter-token and end-to-end latency of one response into the metrics; a
+    response of one choice is a live stream of the load report until it ends, then its time per
+    output token goes in."""
 
-    def __init__(self, metrics: WorkerMetrics, model_name: str, arrival: float) -> None:
+    def __init__(
+        self, metrics: WorkerMetrics, model_name: str, arrival: float, num_choices: int
+    ) -> None:
         self.metrics = metrics
         self.model_name = model_name
         self.arrival = arrival
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.tokens = 0
+        self.one_stream = num_choices == 1
+        if self.one_stream:
+            metrics.live_streams.add(self)
 
     def observe(self, delta: SequenceDelta) -> None:
         if not delta.token_ids:
@@ -279,12 +288,20 @@ class LatencyTracker:
         self.tokens += len(delta.token_ids)
         self.metrics.generation_tokens.labels(self.model_name).inc(len(delta.token_ids))
 
+    def tpot_so_far(self, min_tokens: int = LIVE_TPOT_TOKENS) -> float | None:
+        """From the first token to the latest over the tokens after the first; None before
+        `min_tokens` (the first few gaps say little of a stream)."""
+        if self.tokens < max(2, min_tokens):
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.tokens - 1)
+
     def finish(self, choices) -> None:
         now = time.monotonic()
         self.metrics.e2e.labels(self.model_name).observe(now - self.arrival)
-        choices = list(choices)
-        if len(choices) == 1 and self.tokens > 1:  # one stream of tokens: its TPOT
-            tpot = (self.last_token_time - self.first_token_time) / (self.tokens - 1)
-            self.metrics.observe_tpot(now, tpot)
+        if self.one_stream:
+            self.metrics.live_streams.discard(self)
+            tpot = self.tpot_so_far(min_tokens=2)
+            if tpot is not None:
+                self.metrics.observe_tpot(now, tpot)
         for choice in choices:
             self.metrics.requests.labels(self.model_name, choice.finish_reason or "abort").inc()
