@@ -104,6 +104,7 @@ def planner_config(**changes: Any) -> RouterConfig:
         planner_decode_tpot_high_ms=30,
         planner_decode_kv_high=0.8,
         planner_dwell_s=5.0,
+        planner_idle_s=5.0,
     )
     return RouterConfig(**(settings | changes))
 
@@ -112,7 +113,8 @@ def duties(workers: list[Worker]) -> list[str]:
     return [w.serving_role for w in workers]
 
 
-def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts():
+def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts(caplog):
+    caplog.set_level("INFO", logger="tandem.router")
     metrics = RouterMetrics()
     planner = Planner(planner_config(), metrics)
     autos = [worker(f"http://a{i}", "auto") for i in range(3)]
@@ -126,6 +128,9 @@ def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts():
     autos[1].load = WorkerLoad(tokens_waiting=1500, requests_running=1, tpot_p90_ms=40)
     planner.plan(autos, now=10.0)
     assert duties(autos) == ["decode", "prefill", "decode"]
+    assert caplog.messages == [
+        "planner: http://a1 takes up prefill (TPOT p90 40 ms, queue 1500 tokens a worker)"
+    ]
     planner.plan(autos, now=12.0)  # within the dwell time: no second change
     assert duties(autos) == ["decode", "prefill", "decode"]
     # The prefill worker falls behind (its mean since the change, 1500 and 3000, over the high
@@ -147,6 +152,7 @@ def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts():
         auto.load = WorkerLoad(tokens_waiting=0)
     planner.plan(autos, now=50.0)
     assert duties(autos) == ["decode"] * 3
+    assert caplog.messages[-1] == "planner: http://a1 takes up decode (prefill side idle)"
 
     samples = metrics.render().decode()
     assert 'tandem_router_role_changes_total{duty="prefill"} 2.0' in samples
@@ -158,7 +164,7 @@ def test_planner_splits_a_colocated_pool_only_while_prompts_slow_the_streams():
     """A colocated pool moves a worker to prefill once a worker's TPOT p90 reaches the mark while
     prompts wait; a long queue alone (the streams keep their TPOT), a slow TPOT with no prompt
     waiting (decoding itself is the load), or a mark of 0 moves none."""
-    planner = Planner(planner_config(planner_dwell_s=0.0), RouterMetrics())
+    planner = Planner(planner_config(planner_dwell_s=0.0, planner_idle_s=0.0), RouterMetrics())
     autos = [worker(f"http://a{i}", "auto") for i in range(3)]
     for index, auto in enumerate(autos):
         auto.load = WorkerLoad(tokens_waiting=5000, requests_running=3 - index, tpot_p90_ms=12)
@@ -188,10 +194,11 @@ def test_planner_splits_a_colocated_pool_only_while_prompts_slow_the_streams():
     assert duties(autos) == ["decode"] * 3
 
 
-def test_planner_gives_prefill_back_only_after_a_dwell_time_idle():
+def test_planner_gives_prefill_back_only_after_an_idle_time():
     """A prefill worker between prompts reports an empty queue on most rounds: it goes back to
-    decoding only once no round of the dwell time saw a prompt waiting or a request running."""
-    planner = Planner(planner_config(planner_dwell_s=4.0), RouterMetrics())
+    decoding only once no round of the idle time (4 s, past the dwell time of 1 s) saw a prompt
+    waiting or a request running."""
+    planner = Planner(planner_config(planner_dwell_s=1.0, planner_idle_s=4.0), RouterMetrics())
     autos = [worker(f"http://a{i}", "auto", 3000, tpot_p90_ms=40) for i in range(2)]
     planner.plan(autos, now=0.0)
     assert duties(autos) == ["prefill", "decode"]
@@ -333,6 +340,7 @@ def test_auto_workers_take_up_prefill_and_give_it_back_without_losing_a_request(
         planner_prefill_queue_high=1000,
         planner_prefill_queue_low=100,
         planner_dwell_s=0.0,
+        planner_idle_s=0.0,
     )
     autos = fakes["auto"]
     pool = router.app.state.pool

@@ -6,7 +6,7 @@ tokens waiting for many steps) past `--planner-prefill-queue-low`, while the res
 finish report their time per output token (`tpot_p90_ms`, at least the 1 ms asked here), until
 the planner moves one of them onto prefill; one more wave goes out at once then, within
 `--planner-dwell-s`, so it runs disaggregated, its KV moving from that worker to the other. Once
-the load is served it stays idle for the dwell time, and the planner moves it back. The
+the load is served it stays idle for the idle time, and the planner moves it back. The
 thresholds and the health round are the router's own flags.
 
 Checked: the router counts both moves and ends with both workers on decode; KV did move
@@ -65,6 +65,8 @@ def cluster(tiny_checkpoints, tmp_path_factory) -> Iterator[dict]:
             "--planner-decode-tpot-high-ms",  # any response's TPOT p90 in the load reports
             "1",
             "--planner-dwell-s",
+            "2",
+            "--planner-idle-s",
             "2",
         )
         with running_processes({"router": router}) as routers:

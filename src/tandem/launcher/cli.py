@@ -31,6 +31,7 @@ ROUTER_TUNING = (
     ("planner_decode_tpot_high_ms", int),
     ("planner_decode_kv_high", float),
     ("planner_dwell_s", float),
+    ("planner_idle_s", float),
 )
 
 DEFAULT_CLUSTER: dict[str, Any] = {

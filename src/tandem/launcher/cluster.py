@@ -112,6 +112,7 @@ class RouterSpec(_Strict):
     planner_decode_tpot_high_ms: int | None = Field(default=None, ge=0)
     planner_decode_kv_high: float | None = Field(default=None, ge=0, le=1)
     planner_dwell_s: float | None = Field(default=None, ge=0)
+    planner_idle_s: float | None = Field(default=None, ge=0)
     extra_args: tuple[str, ...] = ()
 
 

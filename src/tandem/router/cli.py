@@ -225,6 +225,14 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="SECONDS",
         help="auto workers: the least time between two duty changes",
     )
+    group.add_argument(
+        "--planner-idle-s",
+        type=float,
+        default=DEFAULTS.planner_idle_s,
+        metavar="SECONDS",
+        help="auto workers: how long the prefill workers must have had no prompt waiting and "
+        "no request running (every health round) before an auto one goes back to decoding",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -258,6 +266,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         planner_decode_tpot_high_ms=args.planner_decode_tpot_high_ms,
         planner_decode_kv_high=args.planner_decode_kv_high,
         planner_dwell_s=args.planner_dwell_s,
+        planner_idle_s=args.planner_idle_s,
         busy_poll_s=args.busy_poll_s,
         body_limits=body_limits_from_args(args),
         log_level=args.log_level,

@@ -70,12 +70,14 @@ class RouterConfig:
     # one more prefills, and per worker the least at which a colocated pool splits (both the
     # mean over the dwell time); the TPOT (a decode worker's p90) at which it splits (0: never);
     # the decode side's KV cache use above which none leaves it; the least time between two
-    # changes, over which the queues are read.
+    # changes, over which the queues are read; how long the prefill side idles before one of
+    # its auto workers goes back to decoding.
     planner_prefill_queue_high: int = 4096
     planner_prefill_queue_low: int = 512
     planner_decode_tpot_high_ms: int = 50
     planner_decode_kv_high: float = 0.8
     planner_dwell_s: float = 5.0
+    planner_idle_s: float = 15.0
     # Streamed PD requests send both legs at once where the workers take handoffs.
     handoff: bool = True
     # How long the router's loop keeps polling without sleeping after its last request (0: off).
@@ -106,6 +108,8 @@ class RouterConfig:
             raise ValueError("planner_prefill_queue_low must be between 0 and the high mark")
         if self.planner_decode_tpot_high_ms < 0:
             raise ValueError("planner_decode_tpot_high_ms must be 0 or more")
+        if self.planner_dwell_s < 0 or self.planner_idle_s < 0:
+            raise ValueError("planner_dwell_s and planner_idle_s must be 0 or more")
         if self.busy_poll_s < 0:
             raise ValueError("busy_poll_s must be 0 or more")
         if self.max_attempts < 1:

@@ -4,9 +4,10 @@ An auto worker (`tandem worker --role auto`) can take prefill legs, decode legs 
 requests. The planner gives each one a duty, `prefill` (prefill legs) or `decode` (decode legs
 and whole requests), and the router sends it only that work; a new one starts on `decode`, so
 auto workers alone are a colocated pool. After every health round it makes at most one change,
-none within `planner_dwell_s` of the last, reading the rounds of the last `planner_dwell_s`
-since the last change: a queue is their mean tokens waiting per worker of the side that
-prefills; that side is idle when no round saw a prompt waiting or a request running on it.
+none within `planner_dwell_s` of the last. It reads the rounds since the last change: a queue is
+their mean tokens waiting per worker of the side that prefills over the last `planner_dwell_s`;
+that side is idle when no round of the last `planner_idle_s` saw a prompt waiting or a request
+running on it.
 
 * an auto prefill worker goes back to `decode` when the decode side's KV use passes
   `planner_decode_kv_high` or the prefill side is idle;
@@ -17,14 +18,16 @@ prefills; that side is idle when no round saw a prompt waiting or a request runn
 
 Why: a split pays only where prefills slow decoding; elsewhere it halves prefill capacity (on
 two and four GPUs moves on the queue alone cost goodput), and a TPOT p90 at the SLO means 10%
-of streams miss it. Not back on a low queue: a prefill worker computes a prompt in a step or a
-few, so its queue is empty on most rounds between arrivals (that flapped on two GPUs;
-docs/benchmarks.md). A duty is a per-request choice, so a change drains by itself: requests in
-flight finish where they are, only new legs follow the new duty. Nothing is lost.
+of streams miss it. Back only after a longer idle time: a round samples the prefill side at one
+instant, and a worker busy half the time between arrivals looks idle in five rounds in a row
+often enough to flap (two GPUs, docs/benchmarks.md). A duty is a per-request choice, so a change
+drains by itself: requests in flight finish where they are, only new legs follow the new duty.
+Nothing is lost.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 
 DUTIES = ("prefill", "decode")
 
+logger = logging.getLogger("tandem.router")
+
 
 class Planner:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
@@ -50,20 +55,25 @@ class Planner:
     def plan(self, workers: Sequence[Worker], now: float | None = None) -> None:
         """Assigns a duty to every auto worker among `workers` (those in the pool), changing at
         most one existing duty."""
+        config = self._config
         now = time.monotonic() if now is None else now
         for worker in workers:
             if worker.role == "auto" and worker.assigned is None:
                 self._assign(worker, "decode")
         self._rounds.append((now, *prefill_side(workers)))
-        while self._rounds[0][0] < now - self._config.planner_dwell_s:
+        while self._rounds[0][0] < now - max(config.planner_dwell_s, config.planner_idle_s):
             self._rounds.popleft()
-        if now - self._last_change < self._config.planner_dwell_s:
+        if now - self._last_change < config.planner_dwell_s:
             return
-        queue = sum(queue for _, queue, _ in self._rounds) / len(self._rounds)
-        idle = not any(busy for _, _, busy in self._rounds)
+        recent = [queue for at, queue, _ in self._rounds if at >= now - config.planner_dwell_s]
+        queue = sum(recent) / len(recent)
+        idle = now - self._last_change >= config.planner_idle_s and not any(
+            busy for at, _, busy in self._rounds if at >= now - config.planner_idle_s
+        )
         change = self._change(workers, queue, idle)
         if change is not None:
-            worker, duty = change
+            worker, duty, why = change
+            logger.info("planner: %s takes up %s (%s)", worker.url, duty, why)
             self._assign(worker, duty)
             self._metrics.role_changes.labels(duty).inc()
             self._last_change = now
@@ -71,15 +81,17 @@ class Planner:
 
     def _change(
         self, workers: Sequence[Worker], queue: float, idle: bool
-    ) -> tuple[Worker, str] | None:
-        """`queue`, `idle`: the side that prefills over the last rounds."""
+    ) -> tuple[Worker, str, str] | None:
+        """`queue`, `idle`: the side that prefills over the last rounds. The worker to move,
+        its new duty and why."""
         config = self._config
         prefill = [worker for worker in workers if worker.serving_role == "prefill"]
         decode = [worker for worker in workers if worker.serving_role == "decode"]
         decode_kv = sum(w.load.kv_usage for w in decode) / len(decode) if decode else 0.0
         on_prefill = [worker for worker in prefill if worker.role == "auto"]
         if on_prefill and (decode_kv > config.planner_decode_kv_high or idle):
-            return min(on_prefill, key=lambda w: w.load.tokens_waiting), "decode"
+            why = "prefill side idle" if idle else f"decode KV use {decode_kv:.2f}"
+            return min(on_prefill, key=lambda w: w.load.tokens_waiting), "decode", why
         on_decode = [worker for worker in decode if worker.role == "auto"]
         if not on_decode or len(decode) < 2 or decode_kv > config.planner_decode_kv_high:
             return None
@@ -90,7 +102,9 @@ class Planner:
             and queue >= config.planner_prefill_queue_low
         )
         if streams_slowed or (prefill and queue > config.planner_prefill_queue_high):
-            return min(on_decode, key=lambda w: (w.load.requests_running, w.outstanding)), "prefill"
+            why = f"TPOT p90 {tpot_ms} ms, queue {queue:.0f} tokens a worker"
+            worker = min(on_decode, key=lambda w: (w.load.requests_running, w.outstanding))
+            return worker, "prefill", why
         return None
 
     def _assign(self, worker: Worker, duty: str) -> None:
