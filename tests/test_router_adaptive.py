@@ -149,7 +149,7 @@ def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts(ca
     assert duties(autos) == ["decode", "prefill", "decode"]  # the one with less waiting
     # The prefill worker runs idle: the last auto prefill worker goes back too.
     for auto in autos:
-        auto.load = WorkerLoad(tokens_waiting=0)
+        auto.load = WorkerLoad(tokens_waiting=0, idle_ms=5000)
     planner.plan(autos, now=50.0)
     assert duties(autos) == ["decode"] * 3
     assert caplog.messages[-1] == "planner: http://a1 takes up decode (prefill side idle)"
@@ -189,27 +189,25 @@ def test_planner_splits_a_colocated_pool_only_while_prompts_slow_the_streams():
     assert duties(autos) == ["decode", "decode", "prefill"]  # the one running fewest
     # Going back to decode does not wait for the latency: the prefill worker idles, it goes back.
     for auto in autos:
-        auto.load = WorkerLoad(tokens_waiting=0, tpot_p90_ms=45)
+        auto.load = WorkerLoad(tokens_waiting=0, tpot_p90_ms=45, idle_ms=1)
     planner.plan(autos, now=4.0)
     assert duties(autos) == ["decode"] * 3
 
 
 def test_planner_gives_prefill_back_only_after_an_idle_time():
-    """A prefill worker between prompts reports an empty queue on most rounds: it goes back to
-    decoding only once no round of the idle time (4 s, past the dwell time of 1 s) saw a prompt
-    waiting or a request running."""
+    """A prefill worker's engine stats show an empty queue and nothing running between prompts
+    (and during a one-step prefill): it goes back to decoding only once it has had no request in
+    flight for the idle time (its idle_ms; 4 s, past the dwell time of 1 s)."""
     planner = Planner(planner_config(planner_dwell_s=1.0, planner_idle_s=4.0), RouterMetrics())
     autos = [worker(f"http://a{i}", "auto", 3000, tpot_p90_ms=40) for i in range(2)]
     planner.plan(autos, now=0.0)
     assert duties(autos) == ["prefill", "decode"]
-    for now, waiting, running in ((1.0, 0, 0), (2.0, 400, 0), (3.0, 0, 1), (4.0, 0, 0)):
-        autos[0].load = WorkerLoad(tokens_waiting=waiting, requests_running=running)
+    for now, idle_ms in ((1.0, 900), (2.0, 0), (3.0, 0), (7.0, 3999)):
+        autos[0].load = WorkerLoad(idle_ms=idle_ms)  # 0: a request in flight
         planner.plan(autos, now=now)
-    assert duties(autos) == ["prefill", "decode"]  # busy at 2 and 3 s
-    autos[0].load = WorkerLoad()
-    planner.plan(autos, now=6.0)  # 2 to 6 s: still the round at 3 s
     assert duties(autos) == ["prefill", "decode"]
-    planner.plan(autos, now=7.5)  # 3.5 to 7.5 s: idle throughout
+    autos[0].load = WorkerLoad(idle_ms=4000)
+    planner.plan(autos, now=7.5)
     assert duties(autos) == ["decode", "decode"]
 
 
@@ -340,7 +338,7 @@ def test_auto_workers_take_up_prefill_and_give_it_back_without_losing_a_request(
         planner_prefill_queue_high=1000,
         planner_prefill_queue_low=100,
         planner_dwell_s=0.0,
-        planner_idle_s=0.0,
+        planner_idle_s=1.0,
     )
     autos = fakes["auto"]
     pool = router.app.state.pool
@@ -355,7 +353,8 @@ def test_auto_workers_take_up_prefill_and_give_it_back_without_losing_a_request(
         fake.control.load = {"tokens_waiting": 5000, "tpot_p90_ms": 80}
     wait_for(lambda: len(pool.available(("prefill",))) == 1)
     (prefiller,) = pool.available(("prefill",))
-    # A prefill worker with prompts waiting (between the marks) is not idle, so it stays.
+    # A prefill worker with prompts waiting (between the marks; a request in flight, idle_ms 0)
+    # is not idle, so it stays.
     for fake in autos:
         fake.control.load = {"tokens_waiting": 500}
     prefilling = next(fake for fake in autos if fake.url == prefiller.url)
@@ -372,7 +371,7 @@ def test_auto_workers_take_up_prefill_and_give_it_back_without_losing_a_request(
     in_flight.start()
     wait_for(lambda: decoding.kinds()[-1:] == ["decode"] and len(decoding.kinds()) > before[1] + 1)
     for fake in autos:
-        fake.control.load = {"tokens_waiting": 0}
+        fake.control.load = {"tokens_waiting": 0, "idle_ms": 1000}  # idle for the idle time
     wait_for(lambda: len(pool.available(("prefill",))) == 0)
     assert in_flight.is_alive()  # still decoding when the duty changed
     in_flight.join(timeout=10)

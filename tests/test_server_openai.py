@@ -955,11 +955,32 @@ def test_load_report_latency_is_the_p90_of_the_last_responses_tpot():
     for milliseconds in (8, 2, 10, 4, 6, 1, 3, 5, 7, 9):
         metrics.observe_tpot(now=95.0, seconds=milliseconds / 1000)
     metrics.load = {"tokens_waiting": 12}
+    metrics.last_request_end = 90.0
     # nearest rank: the 9th of the ten in order
-    assert metrics.load_report(now=100.0) == {"tokens_waiting": 12, "tpot_p90_ms": 9}
+    assert metrics.load_report(now=100.0) == {
+        "tokens_waiting": 12,
+        "idle_ms": 10000,
+        "tpot_p90_ms": 9,
+    }
     metrics.observe_tpot(now=96.0, seconds=0.011)
     assert metrics.load_report(now=100.0)["tpot_p90_ms"] == 10  # the 10th of eleven
     assert metrics.load_report(now=106.5)["tpot_p90_ms"] == 0  # all of them older than 10 s
+
+
+def test_load_report_idle_time_is_zero_while_a_request_is_in_flight():
+    """idle_ms: how long since the last response ended (the worker's start before any), 0
+    while any response is in flight, whatever the engine's stats last said."""
+    metrics = WorkerMetrics("m")
+    metrics.last_request_end = 50.0
+    assert metrics.load_report(now=52.5)["idle_ms"] == 2500
+    first, second = LatencyTracker(metrics, "m", 0.0, 1), LatencyTracker(metrics, "m", 0.0, 3)
+    assert metrics.load_report(now=60.0)["idle_ms"] == 0
+    first.finish([])
+    assert metrics.load_report(now=60.0)["idle_ms"] == 0  # the second is still in flight
+    second.finish([])
+    ended = metrics.last_request_end  # time.monotonic() at its end
+    assert metrics.requests_in_flight == 0 and ended != 50.0
+    assert metrics.load_report(now=ended + 1.25)["idle_ms"] == 1250
 
 
 def test_load_report_latency_counts_the_streams_running_now():

@@ -230,8 +230,8 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         type=float,
         default=DEFAULTS.planner_idle_s,
         metavar="SECONDS",
-        help="auto workers: how long the prefill workers must have had no prompt waiting and "
-        "no request running (every health round) before an auto one goes back to decoding",
+        help="auto workers: how long the prefill workers must have had no request in flight "
+        "(their idle_ms) before an auto one goes back to decoding",
     )
 
 

@@ -4,10 +4,10 @@ An auto worker (`tandem worker --role auto`) can take prefill legs, decode legs 
 requests. The planner gives each one a duty, `prefill` (prefill legs) or `decode` (decode legs
 and whole requests), and the router sends it only that work; a new one starts on `decode`, so
 auto workers alone are a colocated pool. After every health round it makes at most one change,
-none within `planner_dwell_s` of the last. It reads the rounds since the last change: a queue is
-their mean tokens waiting per worker of the side that prefills over the last `planner_dwell_s`;
-that side is idle when no round of the last `planner_idle_s` saw a prompt waiting or a request
-running on it.
+none within `planner_dwell_s` of the last. A queue is the mean tokens waiting per worker of the
+side that prefills over the rounds of the last `planner_dwell_s` since the last change; the
+prefill workers are idle when each has had no request in flight for `planner_idle_s` (their
+`idle_ms`).
 
 * an auto prefill worker goes back to `decode` when the decode side's KV use passes
   `planner_decode_kv_high` or the prefill side is idle;
@@ -18,9 +18,10 @@ running on it.
 
 Why: a split pays only where prefills slow decoding; elsewhere it halves prefill capacity (on
 two and four GPUs moves on the queue alone cost goodput), and a TPOT p90 at the SLO means 10%
-of streams miss it. Back only after a longer idle time: a round samples the prefill side at one
-instant, and a worker busy half the time between arrivals looks idle in five rounds in a row
-often enough to flap (two GPUs, docs/benchmarks.md). A duty is a per-request choice, so a change
+of streams miss it. Back only once idle, read from the workers' own count of requests in
+flight: the engine's stats (queue, requests running) are those after its last step, so a
+prefill worker that computes each prompt in one step looks idle between arrivals, and going
+back on them flapped (two GPUs, docs/benchmarks.md). A duty is a per-request choice, so a change
 drains by itself: requests in flight finish where they are, only new legs follow the new duty.
 Nothing is lost.
 """
@@ -49,8 +50,8 @@ class Planner:
         self._config = config
         self._metrics = metrics
         self._last_change = float("-inf")
-        # (time, queue, busy) of the rounds since the last change
-        self._rounds: deque[tuple[float, float, bool]] = deque()
+        # (time, queue) of the rounds of the last dwell time since the last change
+        self._rounds: deque[tuple[float, float]] = deque()
 
     def plan(self, workers: Sequence[Worker], now: float | None = None) -> None:
         """Assigns a duty to every auto worker among `workers` (those in the pool), changing at
@@ -60,17 +61,13 @@ class Planner:
         for worker in workers:
             if worker.role == "auto" and worker.assigned is None:
                 self._assign(worker, "decode")
-        self._rounds.append((now, *prefill_side(workers)))
-        while self._rounds[0][0] < now - max(config.planner_dwell_s, config.planner_idle_s):
+        self._rounds.append((now, prefill_queue(workers)))
+        while self._rounds[0][0] < now - config.planner_dwell_s:
             self._rounds.popleft()
         if now - self._last_change < config.planner_dwell_s:
             return
-        recent = [queue for at, queue, _ in self._rounds if at >= now - config.planner_dwell_s]
-        queue = sum(recent) / len(recent)
-        idle = now - self._last_change >= config.planner_idle_s and not any(
-            busy for at, _, busy in self._rounds if at >= now - config.planner_idle_s
-        )
-        change = self._change(workers, queue, idle)
+        queue = sum(queue for _, queue in self._rounds) / len(self._rounds)
+        change = self._change(workers, queue)
         if change is not None:
             worker, duty, why = change
             logger.info("planner: %s takes up %s (%s)", worker.url, duty, why)
@@ -79,16 +76,15 @@ class Planner:
             self._last_change = now
             self._rounds.clear()
 
-    def _change(
-        self, workers: Sequence[Worker], queue: float, idle: bool
-    ) -> tuple[Worker, str, str] | None:
-        """`queue`, `idle`: the side that prefills over the last rounds. The worker to move,
-        its new duty and why."""
+    def _change(self, workers: Sequence[Worker], queue: float) -> tuple[Worker, str, str] | None:
+        """`queue`: the side that prefills, over the last rounds. The worker to move, its new
+        duty and why."""
         config = self._config
         prefill = [worker for worker in workers if worker.serving_role == "prefill"]
         decode = [worker for worker in workers if worker.serving_role == "decode"]
         decode_kv = sum(w.load.kv_usage for w in decode) / len(decode) if decode else 0.0
         on_prefill = [worker for worker in prefill if worker.role == "auto"]
+        idle = all(0 < w.load.idle_ms >= 1000 * config.planner_idle_s for w in prefill)
         if on_prefill and (decode_kv > config.planner_decode_kv_high or idle):
             why = "prefill side idle" if idle else f"decode KV use {decode_kv:.2f}"
             return min(on_prefill, key=lambda w: w.load.tokens_waiting), "decode", why
@@ -113,12 +109,9 @@ class Planner:
             self._metrics.auto_duty.labels(worker.url, each).set(1 if each == duty else 0)
 
 
-def prefill_side(workers: Sequence[Worker]) -> tuple[float, bool]:
+def prefill_queue(workers: Sequence[Worker]) -> float:
     """Tokens waiting per worker of the side that prefills (the prefill workers, or the decode
-    workers while there are none), and whether any of them has a prompt waiting or a request
-    running."""
+    workers while there are none)."""
     prefill = [worker for worker in workers if worker.serving_role == "prefill"]
     prefilling = prefill or [worker for worker in workers if worker.serving_role == "decode"]
-    queue = sum(w.load.tokens_waiting for w in prefilling) / max(1, len(prefilling))
-    busy = any(w.load.tokens_waiting or w.load.requests_running for w in prefilling)
-    return queue, busy
+    return sum(w.load.tokens_waiting for w in prefilling) / max(1, len(prefilling))

@@ -50,6 +50,7 @@ class WorkerLoad:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     tpot_p90_ms: int = 0  # 90th percentile of its streams' time per output token (recent, live)
+    idle_ms: int = 0  # how long it has had no request in flight (0: it has one)
 
     @property
     def kv_usage(self) -> float:

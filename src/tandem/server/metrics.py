@@ -2,7 +2,8 @@
 
 Gauges mirror the engine core's latest stats; histograms and counters are fed by the HTTP layer
 as responses progress, which also keeps the time per output token of the latest responses and of
-the streams running now, for the load report a router reads on /health. The ones vLLM has are
+the streams running now, and how long the worker has had no request, for the load report a
+router reads on /health. The ones vLLM has are
 also shown under vLLM's names (`vllm:...`, label `model_name`), for the dashboards and routers
 that read those: copied at each scrape, so responses pay nothing for them.
 """
@@ -10,6 +11,7 @@ that read those: copied at each scrape, so responses pay nothing for them.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -175,6 +177,8 @@ class WorkerMetrics:
         # (end, time per output token) of the latest responses, for the load report's tpot_p90_ms
         self.recent_tpots: deque[tuple[float, float]] = deque(maxlen=RECENT_TPOTS)
         self.live_streams: set[LiveStream] = set()  # the one-choice responses running now
+        self.requests_in_flight = 0  # responses begun and not ended
+        self.last_request_end = time.monotonic()  # when the latest ended (at first: the start)
         self.vllm_names = CollectorRegistry()
         self.vllm_names.register(VllmNames(self.registry, model_name))
 
@@ -183,8 +187,18 @@ class WorkerMetrics:
         time from its first token to its last over the tokens after the first."""
         self.recent_tpots.append((now, seconds))
 
+    def request_began(self) -> None:
+        self.requests_in_flight += 1
+
+    def request_ended(self, now: float) -> None:
+        self.requests_in_flight -= 1
+        self.last_request_end = now
+
     def load_report(self, now: float) -> dict[str, int]:
-        """What /health tells a router: LOAD_STATS, and tpot_p90_ms, the 90th percentile of the
+        """What /health tells a router: LOAD_STATS; idle_ms, how long the worker has had no
+        request in flight (0 while it has one: its own count, not the engine's latest stats,
+        which a prefill step leaves unsent until its prompt is done); and tpot_p90_ms, the 90th
+        percentile of the
         time per output token of the responses that ended in the last RECENT_TPOTS_S seconds and
         of those running now, so far (0 without any; nearest rank): at or over a TPOT SLO, 10% of
         them or more miss it, which is what the planner compares with its mark. The running
@@ -194,7 +208,8 @@ class WorkerMetrics:
         tpots += [tpot for tpot in (s.tpot_so_far() for s in self.live_streams) if tpot is not None]
         tpots.sort()
         p90_ms = round(1000 * tpots[math.ceil(0.9 * len(tpots)) - 1]) if tpots else 0
-        return {**self.load, "tpot_p90_ms": p90_ms}
+        idle_ms = 0 if self.requests_in_flight else round(1000 * (now - self.last_request_end))
+        return {**self.load, "idle_ms": idle_ms, "tpot_p90_ms": p90_ms}
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
         """Apply one stats report of the engine core (each report is seen exactly once)."""

@@ -258,9 +258,9 @@ def check_error(delta: SequenceDelta) -> None:
 
 
 class LatencyTracker:
-    """Feeds TTFT, inter-token and end-to-end latency of one response into the metrics; a
-    response of one choice is a live stream of the load report until it ends, then its time per
-    output token goes in."""
+    """Feeds TTFT, inter-token and end-to-end latency of one response into the metrics, and the
+    load report's requests in flight; a response of one choice is a live stream of the load
+    report until it ends, then its time per output token goes in."""
 
     def __init__(
         self, metrics: WorkerMetrics, model_name: str, arrival: float, num_choices: int
@@ -272,6 +272,7 @@ class LatencyTracker:
         self.last_token_time: float | None = None
         self.tokens = 0
         self.one_stream = num_choices == 1
+        metrics.request_began()
         if self.one_stream:
             metrics.live_streams.add(self)
 
@@ -298,6 +299,7 @@ class LatencyTracker:
     def finish(self, choices) -> None:
         now = time.monotonic()
         self.metrics.e2e.labels(self.model_name).observe(now - self.arrival)
+        self.metrics.request_ended(now)
         if self.one_stream:
             self.metrics.live_streams.discard(self)
             tpot = self.tpot_so_far(min_tokens=2)
