@@ -16,14 +16,11 @@ prefill workers are idle when each has had no request in flight for `planner_idl
   `planner_decode_tpot_high_ms` or more, a queue at `planner_prefill_queue_low` or more) or
   the prefill workers fall behind (a queue over `planner_prefill_queue_high`).
 
-Why: a split pays only where prefills slow decoding; elsewhere it halves prefill capacity (on
-two and four GPUs moves on the queue alone cost goodput), and a TPOT p90 at the SLO means 10%
-of streams miss it. Back only once idle, read from the workers' own count of requests in
-flight: the engine's stats (queue, requests running) are those after its last step, so a
-prefill worker that computes each prompt in one step looks idle between arrivals, and going
-back on them flapped (two GPUs, docs/benchmarks.md). A duty is a per-request choice, so a change
-drains by itself: requests in flight finish where they are, only new legs follow the new duty.
-Nothing is lost.
+Why: a split pays only where prefills slow decoding, else it halves prefill capacity; a TPOT
+p90 at the SLO means 10% of streams miss it. Idle is the workers' own count of requests in
+flight: the engine's stats are as of its last step, so a prefill worker computing each prompt in
+one step looked idle throughout, and the pool flapped (docs/benchmarks.md). A duty is a
+per-request choice, so a change drains by itself: requests in flight finish where they are.
 """
 
 from __future__ import annotations
