@@ -271,6 +271,7 @@ def test_rope_scaling(tmp_path, metadata, expected):
     assert config["vocab_size"] == 10 and config["tie_word_embeddings"] is True
 
 
+@pytest.mark.slow  # transformers' own GGUF loading takes 30 s; hand-decoded blocks run by default
 def test_smollm2_config(smollm2_config, transformers_checkpoint):
     config = smollm2_config
     assert config["model_type"] == "llama"
@@ -296,6 +297,7 @@ def test_smollm2_config(smollm2_config, transformers_checkpoint):
             assert config[key] == reference[key], key
 
 
+@pytest.mark.slow  # as above
 def test_smollm2_weights_match_transformers_gguf_loading(smollm2_weights, transformers_checkpoint):
     _, reference_tensors, skeleton = transformers_checkpoint
     assert set(smollm2_weights) == set(reference_tensors)

@@ -181,6 +181,7 @@ def test_pd_matches_a_colocated_worker(client, workers, transport, prefill_tp, d
 
 
 @needs("nixl")
+@SLOW  # 40 s, two workers of its own; rank reads' failure: tests/test_kv_rank_reads.py
 def test_a_read_that_fails_on_rank_1_fails_the_load_on_rank_0(client, workers):
     """Decode rank 1's reads fail, rank 0's succeed: rank 0 reports the load failed
     (connection) once both ranks' reads have ended, the prompt is recomputed on both ranks, and
