@@ -3,9 +3,9 @@
 Gauges mirror the engine core's latest stats; histograms and counters are fed by the HTTP layer
 as responses progress, which also keeps the time per output token of the latest responses and of
 the streams running now, and how long the worker has had no request, for the load report a
-router reads on /health. The ones vLLM has are
-also shown under vLLM's names (`vllm:...`, label `model_name`), for the dashboards and routers
-that read those: copied at each scrape, so responses pay nothing for them.
+router reads on /health. The ones vLLM has are also shown under vLLM's names (`vllm:...`, label
+`model_name`), for the dashboards and routers that read those: copied at each scrape, so
+responses pay nothing for them.
 """
 
 from __future__ import annotations
@@ -198,12 +198,11 @@ class WorkerMetrics:
         """What /health tells a router: LOAD_STATS; idle_ms, how long the worker has had no
         request in flight (0 while it has one: its own count, not the engine's latest stats,
         which a prefill step leaves unsent until its prompt is done); and tpot_p90_ms, the 90th
-        percentile of the
-        time per output token of the responses that ended in the last RECENT_TPOTS_S seconds and
-        of those running now, so far (0 without any; nearest rank): at or over a TPOT SLO, 10% of
-        them or more miss it, which is what the planner compares with its mark. The running
-        ones make it tell within a fraction of a second that prompts slow the streams, not once
-        slowed responses have ended (seconds later)."""
+        percentile of the time per output token of the responses that ended in the last
+        RECENT_TPOTS_S seconds and of those running now, so far (0 without any; nearest rank):
+        at or over a TPOT SLO, 10% of them or more miss it, which is what the planner compares
+        with its mark. The running ones make it tell within a fraction of a second that prompts
+        slow the streams, not once slowed responses have ended (seconds later)."""
         tpots = [tpot for at, tpot in self.recent_tpots if now - at <= RECENT_TPOTS_S]
         tpots += [tpot for tpot in (s.tpot_so_far() for s in self.live_streams) if tpot is not None]
         tpots.sort()
