@@ -29,7 +29,7 @@ serve: $(VENV)/.installed
 # tests stay in one process, so its module fixtures start once): most of a test's time is spent
 # waiting on the workers it starts. JOBS=0 runs them one at a time.
 JOBS ?= 2
-PYTEST = $(VENV)/bin/pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile
+PYTEST = $(VENV)/bin/pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests
