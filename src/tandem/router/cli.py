@@ -197,7 +197,7 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="TOKENS",
         help="auto workers: tokens waiting per worker (the mean over --planner-dwell-s) that a "
         "colocated pool must reach to split (an auto prefill worker goes back to decoding once "
-        "idle for --planner-dwell-s)",
+        "idle for --planner-idle-s)",
     )
     group.add_argument(
         "--planner-decode-tpot-high-ms",
