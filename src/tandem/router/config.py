@@ -92,6 +92,10 @@ class RouterConfig:
         key, which the workers share."""
         return self.cluster_token or self.api_key
 
+    def streams_slowed(self, tpot_p90_ms: int) -> bool:
+        """Whether a decode worker's TPOT p90 is at the planner's mark (never with mark 0)."""
+        return 0 < self.planner_decode_tpot_high_ms <= tpot_p90_ms
+
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls", "both_urls", "auto_urls"):
             urls = tuple(dict.fromkeys(normalize_url(url) for url in getattr(self, name)))

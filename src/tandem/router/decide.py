@@ -73,8 +73,7 @@ def decide(
         if local_queue > limit and prefill_queue < local_queue:
             return Decision(True, "decode_busy")
         return Decision(False, "short_prompt")
-    mark_ms = config.planner_decode_tpot_high_ms
-    streams_slowed = 0 < mark_ms <= decode_worker.load.tpot_p90_ms
+    streams_slowed = config.streams_slowed(decode_worker.load.tpot_p90_ms)
     if prefill_queue > limit and local_queue < prefill_queue and not streams_slowed:
         return Decision(False, "prefill_queue_full")
     return Decision(True, "long_prompt")

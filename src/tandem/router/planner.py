@@ -91,7 +91,7 @@ class Planner:
         tpot_ms = max((w.load.tpot_p90_ms for w in decode), default=0)
         streams_slowed = (
             not prefill
-            and 0 < config.planner_decode_tpot_high_ms <= tpot_ms
+            and config.streams_slowed(tpot_ms)
             and queue >= config.planner_prefill_queue_low
         )
         if streams_slowed or (prefill and queue > config.planner_prefill_queue_high):
