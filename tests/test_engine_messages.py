@@ -27,6 +27,23 @@ from tandem.engine.structured_output import StructuredOutput
 from tandem.kv.params import KVTransferParams
 
 
+@pytest.mark.parametrize(
+    "field, low, high",
+    [("seed", -(2**63), 2**63 - 1), ("priority", -(2**63), 2**63 - 1), ("top_k", 0, 2**63 - 1)],
+)
+def test_integers_at_64_bits_cross_and_one_past_is_refused(field, low, high):
+    """A request's integers cross to the engine as msgpack's 64-bit ints: the extremes a request
+    may hold arrive whole, one past either end is refused where the request is made (a 400 at
+    the server) instead of failing the message (a 500)."""
+    for value in (low, high):
+        request = Request("r-0", [1, 2], SamplingParams(**{field: value}), max_total_tokens=8)
+        message = INPUT_DECODER.decode(encode(AddRequests([NewRequest.of(request)])))
+        assert getattr(message.requests[0].to_request().sampling_params, field) == value
+    for value in (low - 1, high + 1) if low else (high + 1,):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+
+
 def test_a_request_crosses_whole_and_its_grammar_is_not_compiled_again(monkeypatch):
     params = SamplingParams(
         temperature=0.5,

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 
 from tandem.engine.structured_output import StructuredOutput
 
+INT64 = range(-(2**63), 2**63)  # the integers a request carries to the engine (msgpack, torch)
+
 
 @dataclass
 class SamplingParams:
@@ -72,6 +74,9 @@ class SamplingParams:
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be -1 (no limit), 0 (no limit) or a positive count"),
+            (self.top_k in INT64, "top_k must be below 2**63 (0 for no limit)"),
+            (self.seed is None or self.seed in INT64, "seed must be from -2**63 to 2**63 - 1"),
+            (self.priority in INT64, "priority must be from -2**63 to 2**63 - 1"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
