@@ -323,6 +323,22 @@ def test_a_workers_client_error_is_relayed_unchanged(make_cluster):
     assert cluster.decode[0].stats.requests == []
 
 
+def test_a_stop_that_is_not_strings_is_a_400_before_any_worker(make_cluster):
+    """A PD flow reads `stop` for its hold-back before a worker checks the body: the router
+    refuses a wrong one itself (it was a 500, or a reset stream)."""
+    cluster = make_cluster()
+    for stop in (5, 1.5, True, ["a", 1], [None], {"a": "b"}):
+        for streamed in (False, True):
+            body = {"prompt": "a", "max_tokens": 3, "stream": streamed, "stop": stop}
+            response = HTTP.post(cluster.url + "/v1/completions", json=body)
+            assert response.status_code == 400, (stop, streamed, response.text)
+            assert response.json()["error"]["code"] == "invalid_stop"
+    workers = cluster.prefill + cluster.decode
+    assert all(fake.stats.requests == [] for fake in workers)
+    body = {"prompt": "a", "max_tokens": 3, "stop": ["zz", "yy"]}
+    assert HTTP.post(cluster.url + "/v1/completions", json=body).status_code == 200
+
+
 def test_router_errors_use_the_openai_shape_and_api_key(make_cluster):
     cluster = make_cluster(api_key="sesame")
     body = {"model": MODEL, "prompt": "a", "max_tokens": 2}

@@ -11,7 +11,8 @@ router sends the cluster token to its workers (its API key, which they share, wh
 token).
 The PD fields (`kv_transfer_params`) are the router's to set: they are taken out of every client
 body as it arrives, whatever flow then serves it (a decode worker would otherwise load whatever
-KV, from wherever, a client's fields named).
+KV, from wherever, a client's fields named). The router checks the fields it reads itself
+(`stream`; `stop`, which a PD flow reads for its hold-back); the workers check the rest.
 The router runs one health round before it serves, so static workers that are up are in the pool
 from the first request on; a registering worker joins once its own health check passes.
 `/v1/models` lists the workers' own model entries (created, max_model_len). An unknown path (404)
@@ -95,6 +96,14 @@ def parse_request_body(
     if not isinstance(body.get("stream", False), bool):
         message = "'stream' must be true or false"
         return error_response(400, message, "invalid_stream", "invalid_request_error")
+    stop = body.get("stop")  # read by a PD flow before any worker checks the body
+    if not (
+        stop is None
+        or isinstance(stop, str)
+        or (isinstance(stop, list) and all(isinstance(each, str) for each in stop))
+    ):
+        message = "'stop' must be a string or a list of strings"
+        return error_response(400, message, "invalid_stop", "invalid_request_error")
     for name in PD_FIELDS:
         body.pop(name, None)
     return body
