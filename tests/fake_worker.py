@@ -66,6 +66,30 @@ def echo_completion(words: list[str], max_tokens: int) -> tuple[list[str], str]:
     return pieces, "length"
 
 
+def body_problem(endpoint: str, body: dict[str, Any]) -> str | None:
+    """What a tandem worker would refuse (a 400) among the fields this fake reads."""
+
+    def count(name: str, most: int) -> bool:
+        value = body.get(name)
+        return value is None or (type(value) is int and 1 <= value <= most)
+
+    if not (count("max_tokens", 4096) and count("max_completion_tokens", 4096)):
+        return "max_tokens must be a count of tokens"
+    if not count("n", 16) or not isinstance(body.get("stream", False), bool):
+        return "n must be a small count and stream true or false"
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        return "model must be a string"
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and isinstance(messages[-1], dict)):
+            return "messages must be a list of messages"
+        return None
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt):
+        return None
+    return "prompt must be a string or a list of them or of token ids"
+
+
 def prompt_words(endpoint: str, body: dict[str, Any]) -> list[str]:
     if endpoint == "chat":
         content = body["messages"][-1].get("content") or ""
@@ -249,6 +273,9 @@ def create_fake_worker(
             return _error(control.refuse_status, "the fake worker refuses requests now")
         if body.get("model") not in (None, model):
             return _error(404, f"The model `{body.get('model')}` does not exist.")
+        problem = body_problem(endpoint, body)
+        if problem is not None:
+            return _error(400, problem)
         words = prompt_words(endpoint, body)
         problem = check_leg(kind, body, words)
         if problem is not None:

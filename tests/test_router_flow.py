@@ -6,6 +6,7 @@ hand: "a b c" with max_tokens=5 completes to " a b c a b".
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -19,6 +20,7 @@ import openai
 import pytest
 import uvicorn
 
+import fuzz_bodies
 import tandem
 from fake_worker import FakeControl, FakeStats, create_fake_worker
 from tandem.router.app import create_app
@@ -337,6 +339,23 @@ def test_a_stop_that_is_not_strings_is_a_400_before_any_worker(make_cluster):
     assert all(fake.stats.requests == [] for fake in workers)
     body = {"prompt": "a", "max_tokens": 3, "stop": ["zz", "yy"]}
     assert HTTP.post(cluster.url + "/v1/completions", json=body).status_code == 200
+
+
+def test_no_odd_field_value_makes_the_router_fail(make_cluster):
+    """Every field of the fuzz list with every odd value, in each valid body (one streamed):
+    whatever the router reads on the way to the two legs (the prompt's prefix, stop, n,
+    max_tokens), its answer is below 500. The fake workers refuse what a worker would, among
+    the fields they read, with a 400."""
+    cluster = make_cluster(decode_policy="prefix-aware")
+    failures = []
+    with httpx.Client(timeout=10) as client:
+        for path, valid in fuzz_bodies.VALID:
+            for name, value in itertools.product(fuzz_bodies.FIELDS, fuzz_bodies.ODD_VALUES):
+                body = dict(valid, **{name: value})
+                response = client.post(cluster.url + path, content=json.dumps(body))
+                if response.status_code >= 500:
+                    failures.append((path, name, repr(value)[:30], response.text[:200]))
+    assert failures == []
 
 
 def test_router_errors_use_the_openai_shape_and_api_key(make_cluster):
