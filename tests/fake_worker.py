@@ -18,7 +18,8 @@ plain requests only, an auto worker all three. A prefill leg must have the proto
 (stream false, max_tokens 1, no stream_options, n 1; min_tokens at most 1, as vllm-router sends
 it); a decode leg's kv_transfer_params must match its prompt. A decode leg told
 `first_token_sent` streams no text for the first token but what a stop string's hold-back kept
-out of the client's first chunk (tandem.pd.text), as a tandem decode worker does.
+out of the client's first chunk (tandem.pd.text), as a tandem decode worker does. A bad value
+of a field it reads (max_tokens, n, stream, model, the prompt) gets a 400, as from a worker.
 
 Test hooks: `GET /fake/stats` (the requests seen, leases released, streams and answers aborted),
 `POST /fake/control` (health status, refusal status, delays, the load report /health carries,
