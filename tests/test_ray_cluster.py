@@ -325,6 +325,7 @@ def times_healthy_again(log: Path, name: str) -> int:
     return log.read_text().count(f"tandem serve: {name} is healthy again")
 
 
+@pytest.mark.slow  # 30 s; the launcher's restart is tested without Ray by default
 def test_a_decode_workers_actor_killed_mid_stream(served, ray_nodes):
     """SIGKILL the actor of a decode worker that is streaming: the worker dies with its actor,
     its streams end with an error event (none hangs), Ray restarts the actor, the launcher
