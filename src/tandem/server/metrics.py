@@ -53,6 +53,10 @@ LOAD_STATS = (
 # ended in the last RECENT_TPOTS_S seconds
 RECENT_TPOTS = 1024
 RECENT_TPOTS_S = 10.0
+# the fewest responses a tpot_p90_ms is read from (0 with fewer): a burst of a few long prompts
+# (a benchmark's warm-up) made the p90 of four responses their worst, and the planner split a
+# pool that met its SLO
+MIN_TPOT_SAMPLES = 10
 
 
 class LiveStream(Protocol):
@@ -199,14 +203,17 @@ class WorkerMetrics:
         request in flight (0 while it has one: its own count, not the engine's latest stats,
         which a prefill step leaves unsent until its prompt is done); and tpot_p90_ms, the 90th
         percentile of the time per output token of the responses that ended in the last
-        RECENT_TPOTS_S seconds and of those running now, so far (0 without any; nearest rank):
+        RECENT_TPOTS_S seconds and of those running now, so far (nearest rank; 0 with fewer
+        than MIN_TPOT_SAMPLES of them):
         at or over a TPOT SLO, 10% of them or more miss it, which is what the planner compares
         with its mark. The running ones make it tell within a fraction of a second that prompts
         slow the streams, not once slowed responses have ended (seconds later)."""
         tpots = [tpot for at, tpot in self.recent_tpots if now - at <= RECENT_TPOTS_S]
         tpots += [tpot for tpot in (s.tpot_so_far() for s in self.live_streams) if tpot is not None]
         tpots.sort()
-        p90_ms = round(1000 * tpots[math.ceil(0.9 * len(tpots)) - 1]) if tpots else 0
+        p90_ms = 0
+        if len(tpots) >= MIN_TPOT_SAMPLES:
+            p90_ms = round(1000 * tpots[math.ceil(0.9 * len(tpots)) - 1])
         idle_ms = 0 if self.requests_in_flight else round(1000 * (now - self.last_request_end))
         return {**self.load, "idle_ms": idle_ms, "tpot_p90_ms": p90_ms}
 
