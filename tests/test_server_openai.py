@@ -943,9 +943,10 @@ def test_metrics_count_one_streamed_request_exactly(worker, client):
         assert after[f"vllm:num_{name}"] == after[f"tandem_{name}"]
     used, total = after["tandem_kv_cache_blocks_used"], after["tandem_kv_cache_blocks_total"]
     assert after["vllm:kv_cache_usage_perc"] == used / total
-    # the response's time per output token is in the load report a router reads (integer ms)
+    # the load report a router reads has the TPOT p90 in integer ms (0 until ten responses are
+    # recent: the unit tests below)
     load = httpx.get(f"{worker.url}/health", timeout=10).json()["load"]
-    assert isinstance(load["tpot_p90_ms"], int)  # 0 until enough responses are recent
+    assert isinstance(load["tpot_p90_ms"], int)
 
 
 def test_load_report_latency_is_the_p90_of_the_last_responses_tpot():
