@@ -3,12 +3,11 @@
 Two auto workers (KV over tcp) behind a router start on decode duty: a colocated pool, every
 request whole. Waves of prompts fill their prefill queues (a small step budget keeps the prompt
 tokens waiting for many steps) past `--planner-prefill-queue-low`, while the responses they
-finish report their time per output token (`tpot_p90_ms`, at least the 1 ms asked here once
-ten are recent), until the planner moves one of them onto prefill; one more wave goes out at
-once then, within
-`--planner-dwell-s`, so it runs disaggregated, its KV moving from that worker to the other. Once
-the load is served it stays idle for the idle time, and the planner moves it back. The
-thresholds and the health round are the router's own flags.
+finish report their time per output token (`tpot_p90_ms`, at least the 1 ms asked here once ten
+are recent), until the planner moves one of them onto prefill; one more wave goes out at once
+then, within `--planner-dwell-s`, so it runs disaggregated, its KV moving from that worker to
+the other. Once the load is served it stays idle for the idle time, and the planner moves it
+back. The thresholds and the health round are the router's own flags.
 
 Checked: the router counts both moves and ends with both workers on decode; KV did move
 between them (the move changed where work ran); every request of the burst answered with the
