@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,13 @@ import httpx
 import pytest
 
 from tandem.cli import main
+from worker_fixtures import free_port
 
 # minutes on two cores: `make test-all` runs it (see the Makefile)
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 STARTUP_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,15 +20,10 @@ import httpx
 import pytest
 
 import tandem
+from worker_fixtures import free_port
 
 SRC = str(Path(tandem.__file__).resolve().parents[1])
 TESTS = Path(__file__).resolve().parent  # fake_worker.py
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

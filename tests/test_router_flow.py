@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,16 +25,11 @@ from fake_worker import FakeControl, FakeStats, create_fake_worker
 from tandem.router.app import create_app
 from tandem.router.config import RouterConfig
 from tandem.router.registration import HeartbeatSender
+from worker_fixtures import free_port
 
 MODEL = "fake-model"
 # One client for the module: making an httpx.Client (its TLS context) costs tens of ms.
 HTTP = httpx.Client(timeout=10)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ThreadServer:

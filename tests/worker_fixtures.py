@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,25 +28,24 @@ from pathlib import Path
 import httpx
 
 from tandem import DEFAULT_MODEL
+from tandem.bench.compare import ephemeral_port_floor
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port_block(1)
 
 
 def free_port_block(size: int) -> int:
-    """The first of `size` consecutive free ports."""
+    """The first of `size` consecutive ports free now, below the kernel's ephemeral range: a
+    port from that range can be taken, before its server binds it, by an outgoing connection,
+    even by a connection to the port itself (a router's health check of a worker that does not
+    listen yet connects to itself), and the server then fails with "address already in use"."""
+    ceiling = ephemeral_port_floor() - size
     for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + size > 65535:
-            continue
+        first = random.randrange(min(10000, ceiling // 2), ceiling)
         sockets = []
         try:
             for port in range(first, first + size):
