@@ -1099,6 +1099,7 @@ def test_a_refused_prompt_in_a_batch_leaves_no_request_behind(worker):
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
+TRUNCATE = "truncate_prompt_tokens"
 
 BAD_REQUESTS = [
     # (id, endpoint, JSON body or raw bytes, status, expected `param` or None)
@@ -1183,6 +1184,8 @@ BAD_REQUESTS = [
     ("empty-stop-string", COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, None),
     ("suffix", COMPLETIONS, {"prompt": "def f(", "suffix": "return x"}, 400, "suffix"),
     ("best-of", COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("truncate", COMPLETIONS, {"prompt": "hi", "truncate_prompt_tokens": 1}, 400, TRUNCATE),
+    ("truncate-chat", CHAT, {"messages": HI, "truncate_prompt_tokens": -1}, 400, TRUNCATE),
     ("presence-penalty-too-big", COMPLETIONS, {"prompt": "hi", "presence_penalty": 2.5}, 400, None),
     ("frequency-penalty-too-small", CHAT, {"messages": HI, "frequency_penalty": -3}, 400, None),
     ("repetition-penalty-zero", COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, 400, None),

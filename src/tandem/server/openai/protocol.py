@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import StructuredOutput, check_constraint_size
@@ -111,6 +111,7 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None  # vLLM's: the prefix cache's namespace for this request
     priority: int = 0  # vLLM's: lower is scheduled first (a worker with the priority policy)
     prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's; at most --max-logprobs
+    truncate_prompt_tokens: int | None = None  # vLLM's; refused rather than ignored
     # Structured outputs, asked for in one of three ways: OpenAI's response_format, vLLM's
     # structured_outputs, or vLLM's older guided_* fields.
     response_format: ResponseFormat | None = None
@@ -119,6 +120,15 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _no_truncation(cls, count: int | None) -> int | None:
+        if count is not None:
+            raise ValueError(
+                "truncate_prompt_tokens is not supported; send the prompt's last tokens yourself"
+            )
+        return count
 
     def wanted_prompt_logprobs(self) -> int | None:
         """How many top logprobs each prompt token needs (None: no prompt logprobs)."""
