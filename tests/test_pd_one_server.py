@@ -95,18 +95,20 @@ def test_chat_and_text_prompts_match_the_both_worker(client, servers, stream: bo
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
-    "stop",
+    ("stop", "include"),
     [
-        [" girl"],  # the first token completes it: the request ends at the prefill engine
-        [" girl named"],  # completed by the second token: the first token's text is held back
-        [" girl named Bob"],  # held back, then let out when it cannot match any more
-        [" who"],
+        ([" girl"], False),  # the first token completes it: the request ends at the prefill engine
+        ([" girl"], True),
+        ([" girl named"], False),  # completed by the second token: the first token's text is held
+        ([" girl named"], True),
+        ([" girl named Bob"], False),  # held back, then let out when it cannot match any more
+        ([" who"], False),
     ],
+    ids=["girl-cut", "girl-included", "named-cut", "named-included", "bob-cut", "who-cut"],
 )
-@pytest.mark.parametrize("include", [False, True], ids=["cut", "included"])
 def test_stop_strings_match_the_both_worker(client, servers, stop: list[str], stream, include):
     """Also with include_stop_str_in_output (the stop string stays in the text, nothing is
-    held back)."""
+    held back) where the string completes, by the first token or by the second."""
     body = {"prompt": STORY, "max_tokens": 6, "temperature": 0, "stop": stop, "stream": stream}
     body["include_stop_str_in_output"] = include
     pd, both = both_ways(client, servers, COMPLETIONS, body)

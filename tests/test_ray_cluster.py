@@ -9,12 +9,9 @@ process. Without Ray importable, `--ray` names the pip install to run."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,7 +37,7 @@ from tandem.launcher.ray_cluster import (
     ray_device,
     with_kv_transport,
 )
-from worker_fixtures import read_metrics, start_worker
+from worker_fixtures import free_port_block, read_metrics, start_worker
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -226,23 +223,6 @@ def ray_nodes():
         cluster.shutdown()
 
 
-def cluster_ports() -> int:
-    """The first of 8 free consecutive ports (the router's, 3 workers', their 3 KV listeners',
-    the colocated worker's), below the kernel's ephemeral range and above Ray's worker ports
-    (10002-19999): there no outgoing connection (a Ray cluster makes many) takes one before its
-    process listens on it."""
-    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    while True:
-        first = random.randrange(20000, ephemeral - 8)
-        try:
-            with contextlib.ExitStack() as held:
-                for port in range(first, first + 8):
-                    held.enter_context(socket.create_server(("", port)))
-            return first
-        except OSError:
-            continue
-
-
 @pytest.fixture(scope="module")
 def served(ray_nodes, tiny_checkpoints, tmp_path_factory):
     """`tandem serve --ray` with the prefill worker on node_a and both decode workers on
@@ -267,7 +247,7 @@ def served(ray_nodes, tiny_checkpoints, tmp_path_factory):
             }
         )
     )
-    port = cluster_ports()
+    port = free_port_block(8)  # the router's, 3 workers', 3 KV listeners', the colocated's
     worker_ports, kv_ports, reference_port = port + 1, port + 4, port + 7
     launcher = tandem_process(
         logs / "serve.log", "serve", "--config", str(cluster_file), "--ray", ray_nodes.address,

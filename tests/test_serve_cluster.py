@@ -138,6 +138,7 @@ def test_tokenize_and_detokenize_through_the_router_match_a_worker(cluster):
     assert routed.status_code == 400
 
 
+@pytest.mark.slow  # 11 s; 32 concurrent PD requests run by default (tests/test_pd_tiny.py)
 def test_64_concurrent_streams_complete(cluster):
     async def run() -> list[tuple[str, str | None]]:
         client = openai.AsyncOpenAI(base_url=cluster["url"] + "/v1", api_key="unused")

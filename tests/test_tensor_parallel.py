@@ -462,6 +462,7 @@ def test_the_worker_at_tp2_answers_as_tp1_and_stops_its_ranks(tiny_checkpoints, 
     assert not [pid for pid in pids if is_running(pid)]
 
 
+@pytest.mark.slow  # 30 s; by default a rank's death ends the engine (the test above)
 def test_a_worker_whose_rank_dies_exits_naming_it(tiny_checkpoints, tmp_path):
     model = str(tiny_checkpoints["qwen3-qknorm"])
     worker = start_worker(tmp_path, "-tp", "2", "--num-kv-blocks", "64", model=model)

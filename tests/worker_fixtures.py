@@ -39,19 +39,21 @@ def free_port() -> int:
 
 
 def free_port_block(size: int) -> int:
-    """The first of `size` consecutive ports free now, below the kernel's ephemeral range: a
-    port from that range can be taken, before its server binds it, by an outgoing connection,
-    even by a connection to the port itself (a router's health check of a worker that does not
-    listen yet connects to itself), and the server then fails with "address already in use"."""
+    """The first of `size` consecutive ports free now on every interface, between Ray's worker
+    ports (10002-19999, taken at will by a Ray cluster of another test) and the kernel's
+    ephemeral range: a port from that range can be taken, before its server binds it, by an
+    outgoing connection, even by a connection to the port itself (a router's health check of a
+    worker that does not listen yet connects to itself), and the server then fails with
+    "address already in use"."""
     ceiling = ephemeral_port_floor() - size
     for _ in range(100):
-        first = random.randrange(min(10000, ceiling // 2), ceiling)
+        first = random.randrange(min(20000, ceiling // 2), ceiling)
         sockets = []
         try:
             for port in range(first, first + size):
                 sock = socket.socket()
                 sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
+                sock.bind(("", port))
             return first
         except OSError:
             continue
