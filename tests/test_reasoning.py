@@ -103,6 +103,7 @@ def test_a_structured_output_starts_after_the_reasoning_the_prompt_left_open(thi
     assert structured_output_start(without_tags, [5, 6]) is None  # no tag to wait for
 
 
+@pytest.mark.slow  # 22 s; the parser and where the grammar starts are unit-tested above
 def test_a_worker_holds_only_the_answer_after_the_reasoning(
     thinking_tokenizer, tiny_checkpoints, tmp_path
 ):

@@ -597,6 +597,8 @@ HERMES_CALL_REGEX = (
 )
 
 
+@pytest.mark.slow  # 20 to 45 s; the hermes parser's streaming is unit-tested in
+# tests/test_tool_calls.py, and forced calls through the worker run by default
 def test_auto_tool_calls(client, llm):
     """tool_choice "auto" (the default with tools; the worker runs the hermes parser): an output
     held by a regex to the hermes format (the offline engine's output under that regex) answers
