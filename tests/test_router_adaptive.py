@@ -82,6 +82,20 @@ def test_conditional_decision(uncached, prefill_queues, local_queue, expected):
     assert (decision.name, decision.reason) == expected
 
 
+def test_prompt_tokens_sent_since_the_last_report_count_as_waiting():
+    prefill = worker("http://p", "prefill", tokens_waiting=0)
+    decode = worker("http://d", "decode", tokens_waiting=0)
+    prefill.prompt_tokens_in_flight = 1001  # sent after its report of 0 was taken
+    assert prefill.queued_tokens == 1001
+    decision = decide(CONDITIONAL, 5000, [prefill], decode)
+    assert (decision.name, decision.reason) == ("whole", "prefill_queue_full")
+    decode.prompt_tokens_in_flight = 1500  # the decode worker has more to prefill itself
+    assert decide(CONDITIONAL, 5000, [prefill], decode).reason == "long_prompt"
+    prefill.load = WorkerLoad(tokens_waiting=1600)  # a report above the router's count
+    assert prefill.queued_tokens == 1600
+    assert decide(CONDITIONAL, 5000, [prefill], decode).reason == "prefill_queue_full"
+
+
 @pytest.mark.parametrize(
     ("mark_ms", "tpot_p90_ms", "expected"),
     [
@@ -309,6 +323,42 @@ def test_conditional_disaggregation_follows_prompt_length_and_the_prefill_queue(
         'decision="disaggregated",reason="long_prompt"': 1.0,
         'decision="whole",reason="prefill_queue_full"': 1.0,
     }
+
+
+def test_long_prompts_faster_than_load_reports_overflow_once_the_router_sent_enough(
+    start_router,
+):
+    # The load reports say nothing (the fakes send none): the router's own count of prompt
+    # tokens it sent and the workers have not prefilled fills the prefill queue.
+    prompts = [words(150, first=1000 * i) for i in range(3)]
+    sizes = [-(-len(prompt) // 4) for prompt in prompts]  # the router's estimate: 4 chars a token
+    router, fakes = start_router(
+        {"prefill": 1, "decode": 1},
+        max_local_prefill_length=20,
+        max_prefill_queue_tokens=sizes[0] + sizes[1] - 1,
+    )
+    (prefill,), (decode,) = fakes["prefill"], fakes["decode"]
+    prefill.control.prefill_delay_s = 1.0
+    decode.control.token_delay_s = 0.05
+    pool = router.app.state.pool
+    prefill_worker, decode_worker = pool.available(("prefill",))[0], pool.available(("decode",))[0]
+    threads = [threading.Thread(target=ask, args=(router, prompt, 8)) for prompt in prompts]
+    threads[0].start()  # queue 0: disaggregated
+    wait_for(lambda: prefill_worker.prompt_tokens_in_flight == sizes[0])
+    threads[1].start()  # a queue under the limit: disaggregated
+    wait_for(lambda: prefill_worker.prompt_tokens_in_flight == sizes[0] + sizes[1])
+    threads[2].start()  # over the limit by the router's count: prefilled on the decode worker
+    wait_for(lambda: decode.kinds().count("plain") == 1)
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    assert sorted(decode.kinds()) == ["decode", "decode", "plain"]
+    assert decisions(router) == {
+        'decision="disaggregated",reason="long_prompt"': 2.0,
+        'decision="whole",reason="prefill_queue_full"': 1.0,
+    }
+    # every count was taken back: by the prefill answers and the plain stream's first byte
+    assert prefill_worker.prompt_tokens_in_flight == decode_worker.prompt_tokens_in_flight == 0
 
 
 def test_a_follow_up_goes_to_the_decode_worker_holding_its_conversation(start_router):

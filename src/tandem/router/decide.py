@@ -3,9 +3,10 @@
 Dynamo's conditional disaggregation and llm-d's decider, on the router's own estimates. The
 inputs are the prompt's uncached length (its tokens, less the prefix the chosen decode worker
 holds as far as the router knows: the block hashes of the prompts it sent that worker), the
-prefill pool's queue (the least tokens waiting among the prefill workers, from their load
-reports), the decode worker's own queue (its tokens waiting: prefills it runs itself) and its
-streams' TPOT p90 (`planner_decode_tpot_high_ms`, the planner's mark, 0: not read):
+prefill pool's queue (the least tokens waiting among the prefill workers), the decode worker's
+own queue (its tokens waiting: prefills it runs itself) and its streams' TPOT p90
+(`planner_decode_tpot_high_ms`, the planner's mark, 0: not read). Tokens waiting are a load
+report's or, where more, those the router sent and not yet seen prefilled (`queued_tokens`).
 
     uncached <= max_local_prefill_length (a short prompt)
         whole on the decode worker            short_prompt
@@ -20,9 +21,7 @@ A long prompt prefilled on a decode worker whose streams are at the TPOT mark wo
 further (a TPOT SLO missed by all of them); it waits for a prefill worker instead (TTFT pays).
 
 A prompt the router cannot read is disaggregated (`unknown_prompt`), as in the `always` mode.
-The router has no tokenizer: a text prompt counts one token per `CHARS_PER_TOKEN` characters, a
-token prompt its ids.
-"""
+The router has no tokenizer: a text prompt counts a token per `CHARS_PER_TOKEN` characters."""
 
 from __future__ import annotations
 
@@ -66,8 +65,8 @@ def decide(
     `decode_worker`; `prefill_workers` (not empty) are those that could prefill it."""
     if uncached_tokens is None:
         return Decision(True, "unknown_prompt")
-    prefill_queue = min(worker.load.tokens_waiting for worker in prefill_workers)
-    local_queue = decode_worker.load.tokens_waiting
+    prefill_queue = min(worker.queued_tokens for worker in prefill_workers)
+    local_queue = decode_worker.queued_tokens
     limit = config.max_prefill_queue_tokens
     if uncached_tokens <= config.max_local_prefill_length:
         if local_queue > limit and prefill_queue < local_queue:

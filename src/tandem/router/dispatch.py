@@ -60,9 +60,11 @@ class RequestContext:
     outcome: str = "success"
     # the prompt's chained block hashes (policies.prefix_hashes), once something needed them
     prompt_hashes: list[int] | None = None
-    # the prompt tokens (estimated) the chosen decode worker holds, where the router chose it
-    # first (conditional disaggregation)
+    # the prompt tokens (estimated) the chosen decode worker holds, and those the worker that
+    # prefills the request computes, where the router decided the flow (conditional
+    # disaggregation); 0 otherwise
     decode_cached_tokens: int = 0
+    prefill_tokens: int = 0
 
 
 @contextmanager
@@ -162,10 +164,12 @@ class Dispatcher:
         body: dict[str, Any],
         prefix: Sequence[int] = (),
         accept: Callable[[Worker], bool] | None = None,
+        prompt_tokens: int = 0,
     ) -> Leg:
         """Sends `body` to a worker of `roles` (those `accept` takes, if given), moving on to
         another one while workers refuse. Returns once a worker answered with a status that is
-        not a refusal (its body unread); NoWorker when none did."""
+        not a refusal (its body unread); NoWorker when none did. `prompt_tokens`: those the
+        worker computes for this leg, counted on it until the leg's first byte (`Leg`)."""
         payload = msgspec.json.encode(body)
         headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
         tried: list[str] = []
@@ -179,7 +183,7 @@ class Dispatcher:
                 break
             worker = policy.choose(candidates, prefix)
             tried.append(worker.url)
-            self.pool.begin(worker)
+            self.pool.begin(worker, prompt_tokens)
             try:
                 response = await send_leg(
                     self.session,
@@ -191,31 +195,31 @@ class Dispatcher:
                     self._leg_timeout,
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                self.pool.finish(worker)
+                self.pool.finish(worker, prompt_tokens)
                 self.pool.mark_down(worker, str(exc) or exc.__class__.__name__)
                 failures.append(f"{worker.url} is unreachable")
             except WorkerLost:
-                self.pool.finish(worker)
+                self.pool.finish(worker, prompt_tokens)
                 raise
             except aiohttp.ClientConnectionError as exc:
-                self.pool.finish(worker)
+                self.pool.finish(worker, prompt_tokens)
                 failures.append(f"{worker.url} dropped the connection ({exc.__class__.__name__})")
                 if worker.url not in dropped:  # maybe an idle pooled connection it had closed:
                     dropped.add(worker.url)  # the same worker gets one more try
                     tried.remove(worker.url)
             except BaseException:
-                self.pool.finish(worker)
+                self.pool.finish(worker, prompt_tokens)
                 raise
             else:
                 if response.status not in REFUSAL_STATUSES:
-                    return Leg(self.pool, worker, response, leg_name)
+                    return Leg(self.pool, worker, response, leg_name, prompt_tokens)
                 try:
                     detail = (await response.text())[:200]
                 except (aiohttp.ClientError, UnicodeDecodeError):
                     detail = ""
                 finally:
                     response.close()
-                    self.pool.finish(worker)
+                    self.pool.finish(worker, prompt_tokens)
                 failures.append(f"{worker.url} answered {response.status} {detail}".rstrip())
             self.metrics.refusals.labels(leg_name).inc()
         pool_name = " or ".join(roles)

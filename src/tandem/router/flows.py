@@ -130,6 +130,7 @@ class HttpLegs:
                     prefill_leg_body(ctx.body, self.handoff_id),
                     self.prefix,
                     None if pinned is None else (lambda worker: worker is pinned),
+                    ctx.prefill_tokens,
                 )
                 data = await self.dispatch.read_leg(leg)
         except LEG_FAILURES as exc:
@@ -286,6 +287,7 @@ class Flows:
                     policy or self.decode_policy,
                     ctx.body,
                     self.decode_prefix(ctx),
+                    prompt_tokens=ctx.prefill_tokens,
                 )
                 if leg.response.status != 200 or not ctx.stream:
                     data = await self.dispatch.read_leg(leg)
@@ -304,6 +306,7 @@ class Flows:
             async for payload in iter_sse_data(leg.response.content.iter_any()):
                 if finished:
                     continue  # drained to the end, so the connection can be reused
+                leg.prefilled()
                 yield b"data: " + payload + b"\n\n"
                 finished = payload == b"[DONE]"
             if not finished:
@@ -362,7 +365,10 @@ class Flows:
         self.metrics.pd_decisions.labels(decision.name, decision.reason).inc()
         preferred = PreferredPolicy(chosen, self.decode_policy)
         if decision.disaggregate:
+            # the prefill worker computes the whole prompt (as far as the router knows)
+            ctx.prefill_tokens = estimated_tokens(units, len(units)) if units else 0
             return self.disaggregated(ctx, preferred)
+        ctx.prefill_tokens = uncached or 0
         return self.plain(ctx, preferred)
 
     def handoff_worker(self, ctx: RequestContext, prefix: Sequence[int]) -> Worker | None:

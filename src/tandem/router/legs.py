@@ -42,13 +42,19 @@ class Leg:
     gives the worker up for lost meanwhile, the response is cut: a read in progress raises."""
 
     def __init__(
-        self, pool: WorkerPool, worker: Worker, response: aiohttp.ClientResponse, name: str
+        self,
+        pool: WorkerPool,
+        worker: Worker,
+        response: aiohttp.ClientResponse,
+        name: str,
+        prompt_tokens: int = 0,
     ) -> None:
         self.worker = worker
         self.response = response
         self.name = name
         self.lost_reason: str | None = None
         self._pool = pool
+        self._prompt_tokens = prompt_tokens  # counted on the worker until `prefilled`
         self._closed = False
         self._lost = worker.when_lost()
         self._lost.add_done_callback(self._on_worker_lost)
@@ -68,6 +74,11 @@ class Leg:
             return exc
         return WorkerLost(lost_message(self.name, self.worker, self.lost_reason))
 
+    def prefilled(self) -> None:
+        """The worker has computed the leg's prompt (its first byte is here)."""
+        self._pool.prefilled(self.worker, self._prompt_tokens)
+        self._prompt_tokens = 0
+
     def close(self) -> None:
         """Finish the leg; a response not read to its end is cut, which aborts it upstream."""
         if self._closed:
@@ -75,7 +86,8 @@ class Leg:
         self._closed = True
         self._lost.remove_done_callback(self._on_worker_lost)
         self.response.close()
-        self._pool.finish(self.worker)
+        self._pool.finish(self.worker, self._prompt_tokens)
+        self._prompt_tokens = 0
 
 
 async def send_leg(

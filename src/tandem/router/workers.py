@@ -70,6 +70,10 @@ class Worker:
     consecutive_failures: int = 0
     last_heartbeat: float = 0.0
     outstanding: int = 0
+    # prompt tokens of the legs in flight that it has not yet prefilled, as far as the router
+    # can tell (a prefill leg until its answer, a plain leg until its first byte): fresher than
+    # its load report, which a health round brings once a second (`queued_tokens`)
+    prompt_tokens_in_flight: int = 0
     checking: bool = False
     # tandem workers' /health tells their KV transport and, for a prefill worker, where a decode
     # worker waits for its handoff announcements; None for other workers (vLLM's, say).
@@ -95,6 +99,14 @@ class Worker:
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(reason)
         self._lost = None
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens it has yet to compute: its load report's, or what the router sent it
+        and has not seen prefilled, whichever is more. A report is up to a health round old: a
+        burst of long prompts within one round would all go to a full prefill queue (Dynamo's
+        router counts its own sends alike)."""
+        return max(self.load.tokens_waiting, self.prompt_tokens_in_flight)
 
     @property
     def serving_role(self) -> Role:
@@ -123,6 +135,7 @@ class Worker:
             "static": self.static,
             "healthy": self.healthy,
             "outstanding": self.outstanding,
+            "prompt_tokens_in_flight": self.prompt_tokens_in_flight,
             "load": vars(self.load),
         }
 
@@ -259,12 +272,19 @@ class WorkerPool:
 
     # ---- load and health --------------------------------------------------------------------
 
-    def begin(self, worker: Worker) -> None:
-        """Count one more request in flight on `worker`; `finish` undoes it."""
+    def begin(self, worker: Worker, prompt_tokens: int = 0) -> None:
+        """Count one more request in flight on `worker`, with the prompt tokens it is to
+        compute for it; `finish` undoes it (`prefilled` the tokens alone, earlier)."""
         worker.outstanding += 1
+        worker.prompt_tokens_in_flight += prompt_tokens
         self._metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
 
-    def finish(self, worker: Worker) -> None:
+    @staticmethod
+    def prefilled(worker: Worker, prompt_tokens: int) -> None:
+        worker.prompt_tokens_in_flight -= prompt_tokens
+
+    def finish(self, worker: Worker, prompt_tokens: int = 0) -> None:
+        self.prefilled(worker, prompt_tokens)
         worker.outstanding -= 1
         if self._workers.get(worker.url) is worker:
             self._metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
