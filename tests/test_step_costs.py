@@ -10,7 +10,13 @@ from tandem.engine.core import EngineCore
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.step_costs import MIN_STEPS, RECENT_STEPS, UNKNOWN, DecodeStepCosts
+from tandem.engine.step_costs import (
+    CONTEXT_STEPS,
+    MIN_STEPS,
+    RECENT_STEPS,
+    UNKNOWN,
+    DecodeStepCosts,
+)
 
 
 def step(*requests: tuple[int, int]) -> SchedulerOutput:
@@ -29,12 +35,17 @@ def test_the_line_through_decode_steps_is_the_least_squares_one():
         costs.record(step((1, context // 2 - 1), (1, context // 2 - 1)), 0.002 + 3e-7 * context)
     assert costs.report() == UNKNOWN  # too few steps to tell
     costs.record(step((1, 9999)), 0.002 + 3e-7 * 10_000)
-    # exactly on the line 2 ms + 0.3 us a token: the fit is that line
+    # exactly on the line 2 ms + 0.3 us a token: the fit is that line; the context, the mean of
+    # the 32 steps (1000 ... 4000 by 100, and 10,000)
+    contexts = [1000 + 100 * index for index in range(MIN_STEPS - 1)] + [10_000]
     assert costs.report() == {
         "decode_step_base_us": 2000,
         "decode_step_us_per_ktoken": 300,
-        "decode_context_tokens": 10_000,
+        "decode_context_tokens": round(sum(contexts) / len(contexts)),
     }
+    for _ in range(CONTEXT_STEPS):  # the context is that of the latest CONTEXT_STEPS steps
+        costs.record(step((1, 9999)), 0.002 + 3e-7 * 10_000)
+    assert costs.report()["decode_context_tokens"] == 10_000
 
 
 def test_steps_with_prompt_tokens_are_left_out_and_old_steps_leave_the_window():
@@ -85,7 +96,8 @@ def test_an_engine_core_records_its_decode_steps_only(tiny_checkpoints):
         ]
         assert all(seconds > 0 for _, seconds in recorded)
         report = core.decode_step_costs.report()
-        assert report["decode_context_tokens"] == len(prompt) + MIN_STEPS + 1
+        # the mean context of its 33 decode steps: the prompt and 1 to 33 tokens
+        assert report["decode_context_tokens"] == len(prompt) + 17
         assert report["decode_step_base_us"] + report["decode_step_us_per_ktoken"] > 0
     finally:
         core.shutdown()

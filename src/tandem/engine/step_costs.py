@@ -15,12 +15,17 @@ noise makes negative is read as 0 (a flat line through the mean).
 
 from __future__ import annotations
 
+import itertools
+import statistics
 from collections import deque
 
 from tandem.engine.outputs import SchedulerOutput
 
 RECENT_STEPS = 1024  # a few seconds of decoding: contexts vary as requests come and go
 MIN_STEPS = 32
+# the context reported is the mean of the latest this many decode steps: one step's can be a
+# request or two between prompt chunks, and a planner read a 4k context of a worker holding 150k
+CONTEXT_STEPS = 64
 UNKNOWN = {"decode_step_base_us": 0, "decode_step_us_per_ktoken": 0, "decode_context_tokens": 0}
 
 
@@ -50,15 +55,16 @@ class DecodeStepCosts:
 
     def report(self) -> dict[str, int]:
         """decode_step_base_us, decode_step_us_per_ktoken (the line) and
-        decode_context_tokens (the latest decode step's context)."""
+        decode_context_tokens (the mean context of the latest CONTEXT_STEPS decode steps)."""
         count = len(self._steps)
         if count < MIN_STEPS:
             return dict(UNKNOWN)
+        latest = [context for context, _ in itertools.islice(reversed(self._steps), CONTEXT_STEPS)]
         context, micros, context_squared, cross = (total / count for total in self._sums)
         variance = context_squared - context * context
         slope = max(0.0, (cross - context * micros) / variance) if variance > 0 else 0.0
         return {
             "decode_step_base_us": round(max(0.0, micros - slope * context)),
             "decode_step_us_per_ktoken": round(slope * 1000),
-            "decode_context_tokens": self._steps[-1][0],
+            "decode_context_tokens": round(statistics.fmean(latest)),
         }

@@ -54,7 +54,7 @@ class WorkerLoad:
     # its decode step against the context it reads (engine/step_costs.py; 0: not known yet)
     decode_step_base_us: int = 0
     decode_step_us_per_ktoken: int = 0
-    decode_context_tokens: int = 0  # that of its latest decode step
+    decode_context_tokens: int = 0  # the mean of its latest decode steps
 
     def decode_step_ms(self, context_tokens: float) -> float:
         """Its decode step with `context_tokens` of context, on its line (0: not known)."""
