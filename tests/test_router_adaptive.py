@@ -22,7 +22,7 @@ from tandem.router.app import create_app
 from tandem.router.config import RouterConfig
 from tandem.router.decide import decide
 from tandem.router.metrics import RouterMetrics
-from tandem.router.planner import Planner, decode_step_after_split_ms
+from tandem.router.planner import Planner
 from tandem.router.policies import PrefixAwarePolicy, PrefixIndex, prefix_hashes
 from tandem.router.workers import NO_LOAD, Worker, WorkerLoad, load_of
 from test_router_flow import (
@@ -206,37 +206,6 @@ def test_planner_splits_a_colocated_pool_only_while_prompts_slow_the_streams():
         auto.load = WorkerLoad(tokens_waiting=0, tpot_p90_ms=45, idle_ms=1)
     planner.plan(autos, now=4.0)
     assert duties(autos) == ["decode"] * 3
-
-
-@pytest.mark.parametrize(
-    ("base_us", "us_per_ktoken", "after_ms", "splits"),
-    [
-        # mostly the weights (a large model's few streams): 8 ms + 20 us x 200 = 12 ms, under 30
-        (8000, 20, 12.0, True),
-        # mostly KV reads (a small model's long contexts): 2 ms + 140 us x 200 = 30 ms, the mark
-        (2000, 140, 30.0, False),
-        (0, 0, 0.0, True),  # no line yet (too few decode steps, or a worker that sends none)
-    ],
-)
-def test_a_colocated_pool_splits_only_where_the_decode_step_left_stays_under_the_mark(
-    caplog, base_us, us_per_ktoken, after_ms, splits
-):
-    """Two workers at the TPOT mark (30 ms) with prompts waiting, each decoding 100k tokens of
-    context: a split leaves one worker with 200k (on two workers, 100 + 100 over one)."""
-    caplog.set_level("INFO", logger="tandem.router")
-    planner = Planner(planner_config(planner_dwell_s=0.0), RouterMetrics())
-    autos = [worker(f"http://a{i}", "auto") for i in range(2)]
-    line = dict(decode_step_base_us=base_us, decode_step_us_per_ktoken=us_per_ktoken)
-    for index, auto in enumerate(autos):
-        auto.load = WorkerLoad(
-            tokens_waiting=5000, tpot_p90_ms=35, requests_running=2 - index,
-            decode_context_tokens=100_000, **line,
-        )  # fmt: skip
-    assert decode_step_after_split_ms(autos, autos[1]) == pytest.approx(after_ms)
-    planner.plan(autos, now=0.0)
-    assert duties(autos) == (["decode", "prefill"] if splits else ["decode", "decode"])
-    if splits and after_ms:
-        assert caplog.messages[-1].endswith(f"the decode step then {after_ms:.1f} ms)")
 
 
 def test_planner_gives_prefill_back_only_after_an_idle_time():

@@ -21,7 +21,6 @@ of several requests failed in a row, raise `FatalEngineError`, which ends the en
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 
 import torch
@@ -31,7 +30,6 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.outputs import EngineCoreOutput, KVConnectorOutput
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
-from tandem.engine.step_costs import DecodeStepCosts
 from tandem.engine.structured_output import GrammarBackend
 from tandem.executor.base import Executor, ExecutorFailedError, make_executor
 from tandem.kv.connector.base import (
@@ -125,7 +123,6 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.kv_spec, self.kv_worker, self.max_model_len)
         self.grammars = GrammarBackend(self.model_config.vocab_size)
         self.num_failed_steps = 0  # of several requests, in a row
-        self.decode_step_costs = DecodeStepCosts()  # for the load report (a router's planner)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model,
@@ -204,7 +201,6 @@ class EngineCore:
 
     def step_batch(self) -> list[EngineCoreOutput]:
         """Schedule, run and update one batch, without taking finished transfers first."""
-        started = time.perf_counter()
         try:
             scheduler_output = self.scheduler.schedule()
             runner_output = self.executor.execute_model(scheduler_output)
@@ -212,7 +208,6 @@ class EngineCore:
         except Exception as exc:
             return self._failed_step(exc, self.scheduler.step_request_ids)
         self.num_failed_steps = 0
-        self.decode_step_costs.record(scheduler_output, time.perf_counter() - started)
         return outputs
 
     def _failed_step(self, exc: Exception, request_ids: Iterable[str]) -> list[EngineCoreOutput]:

@@ -1,26 +1,26 @@
 """The planner: which duty each `auto` worker has now, from the workers' load reports.
 
-An auto worker (`tandem worker --role auto`) takes prefill legs, decode legs and whole requests.
-The planner gives each a duty, `prefill` (prefill legs) or `decode` (decode legs and whole
-requests); a new one starts on `decode`, so auto workers alone are a colocated pool. After every
-health round it makes at most one change, none within `planner_dwell_s` of the last. A queue is
-the mean tokens waiting per worker of the side that prefills over the rounds since the last
-change (at most `planner_dwell_s`); prefill workers are idle when each has had no request in
-flight for `planner_idle_s` (their own count, `idle_ms`: a prefill step hides from the stats).
+An auto worker (`tandem worker --role auto`) can take prefill legs, decode legs and whole
+requests. The planner gives each one a duty, `prefill` (prefill legs) or `decode` (decode legs
+and whole requests), and the router sends it only that work; a new one starts on `decode`, so
+auto workers alone are a colocated pool. After every health round it makes at most one change,
+none within `planner_dwell_s` of the last. A queue is the mean tokens waiting per worker of the
+side that prefills over the rounds of the last `planner_dwell_s` since the last change; the
+prefill workers are idle when each has had no request in flight for `planner_idle_s` (their
+`idle_ms`).
 
 * an auto prefill worker goes back to `decode` when the decode side's KV use passes
   `planner_decode_kv_high` or the prefill side is idle;
 * else, where at least two workers decode and decode has room, an auto decode worker takes up
   `prefill` when prompts slow a colocated pool's streams (no prefill worker, a TPOT p90 at
-  `planner_decode_tpot_high_ms` or more, a queue at `planner_prefill_queue_low` or more, and
-  the decode step of the others, with its streams too, predicted under that mark) or the
-  prefill workers fall behind (a queue over `planner_prefill_queue_high`).
+  `planner_decode_tpot_high_ms` or more, a queue at `planner_prefill_queue_low` or more) or
+  the prefill workers fall behind (a queue over `planner_prefill_queue_high`).
 
 Why: a split pays only where prefills slow decoding, else it halves prefill capacity; a TPOT
-p90 at the SLO means 10% of streams miss it. Where each step is slow for the KV it reads (a small
-model's long contexts), fewer decode workers make every step slower: the prediction is each
-one's line of step time against context (engine/step_costs.py) at the pool's context over the
-workers left. A duty is a per-request choice, so a change drains by itself.
+p90 at the SLO means 10% of streams miss it. Idle is the workers' own count of requests in
+flight: the engine's stats are as of its last step, so a prefill worker computing each prompt in
+one step looked idle throughout, and the pool flapped (docs/benchmarks.md). A duty is a
+per-request choice, so a change drains by itself: requests in flight finish where they are.
 """
 
 from __future__ import annotations
@@ -88,19 +88,15 @@ class Planner:
         on_decode = [worker for worker in decode if worker.role == "auto"]
         if not on_decode or len(decode) < 2 or decode_kv > config.planner_decode_kv_high:
             return None
-        worker = min(on_decode, key=lambda w: (w.load.requests_running, w.outstanding))
         tpot_ms = max((w.load.tpot_p90_ms for w in decode), default=0)
-        step_after_ms = decode_step_after_split_ms(decode, worker)
         streams_slowed = (
             not prefill
             and config.streams_slowed(tpot_ms)
             and queue >= config.planner_prefill_queue_low
-            and step_after_ms < config.planner_decode_tpot_high_ms
         )
         if streams_slowed or (prefill and queue > config.planner_prefill_queue_high):
             why = f"TPOT p90 {tpot_ms} ms, queue {queue:.0f} tokens a worker"
-            if streams_slowed and step_after_ms:
-                why += f", the decode step then {step_after_ms:.1f} ms"
+            worker = min(on_decode, key=lambda w: (w.load.requests_running, w.outstanding))
             return worker, "prefill", why
         return None
 
@@ -108,14 +104,6 @@ class Planner:
         worker.assigned = duty  # type: ignore[assignment]
         for each in DUTIES:
             self._metrics.auto_duty.labels(worker.url, each).set(1 if each == duty else 0)
-
-
-def decode_step_after_split_ms(decode: Sequence[Worker], leaving: Worker) -> float:
-    """The decode step of the decode workers left if `leaving` took up prefill: the context of
-    all their streams spread over them, on each one's line (0 where none is known yet)."""
-    staying = [worker for worker in decode if worker is not leaving]
-    context = sum(worker.load.decode_context_tokens for worker in decode) / max(1, len(staying))
-    return max((worker.load.decode_step_ms(context) for worker in staying), default=0.0)
 
 
 def prefill_queue(workers: Sequence[Worker]) -> float:

@@ -51,15 +51,6 @@ class WorkerLoad:
     kv_blocks_total: int = 0
     tpot_p90_ms: int = 0  # 90th percentile of its streams' time per output token (recent, live)
     idle_ms: int = 0  # how long it has had no request in flight (0: it has one)
-    # its decode step against the context it reads (engine/step_costs.py; 0: not known yet)
-    decode_step_base_us: int = 0
-    decode_step_us_per_ktoken: int = 0
-    decode_context_tokens: int = 0  # the mean of its latest decode steps
-
-    def decode_step_ms(self, context_tokens: float) -> float:
-        """Its decode step with `context_tokens` of context, on its line (0: not known)."""
-        micros = self.decode_step_base_us + self.decode_step_us_per_ktoken * context_tokens / 1000
-        return micros / 1000
 
     @property
     def kv_usage(self) -> float:
