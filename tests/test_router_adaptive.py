@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from fake_worker import FakeControl, create_fake_worker
@@ -26,6 +27,7 @@ from tandem.router.planner import Planner
 from tandem.router.policies import PrefixAwarePolicy, PrefixIndex, prefix_hashes
 from tandem.router.workers import NO_LOAD, Worker, WorkerLoad, load_of
 from test_router_flow import (
+    HTTP,
     MODEL,
     Fake,
     ThreadServer,
@@ -359,6 +361,33 @@ def test_long_prompts_faster_than_load_reports_overflow_once_the_router_sent_eno
     }
     # every count was taken back: by the prefill answers and the plain stream's first byte
     assert prefill_worker.prompt_tokens_in_flight == decode_worker.prompt_tokens_in_flight == 0
+
+
+def test_clients_that_leave_mid_prefill_leave_no_prompt_tokens_counted(start_router):
+    router, fakes = start_router({"prefill": 1, "decode": 1}, max_local_prefill_length=20)
+    (prefill,), (decode,) = fakes["prefill"], fakes["decode"]
+    prefill.control.prefill_delay_s = decode.control.token_delay_s = 5.0
+    pool = router.app.state.pool
+    workers = pool.available(("prefill",)) + pool.available(("decode",))
+    bodies = [  # two long prompts (disaggregated, whole and streamed) and a short one (plain)
+        {"prompt": words(30), "stream": False},
+        {"prompt": words(30, first=500), "stream": True},
+        {"prompt": words(3, first=900), "stream": True},
+    ]
+    for body in bodies:
+        with pytest.raises(httpx.ReadTimeout):
+            HTTP.post(
+                router.url + "/v1/completions",
+                json=dict(body, model=MODEL, max_tokens=4),
+                timeout=0.3,
+            )
+    assert prefill.kinds() == ["prefill", "prefill"] and decode.kinds().count("plain") == 1
+    # taken back as each leg ends: the prefill legs' at once, the plain stream's once the
+    # worker's next token finds the client gone
+    wait_for(
+        lambda: all(w.prompt_tokens_in_flight == 0 and w.outstanding == 0 for w in workers),
+        timeout=15,
+    )
 
 
 def test_a_follow_up_goes_to_the_decode_worker_holding_its_conversation(start_router):
