@@ -3,7 +3,13 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
+# Mooncake's transfer engine (the mooncake transport and its tests) links Debian's libibverbs1:
+# installed here where it is missing and apt-get may run (root), else said.
 $(VENV)/.installed: pyproject.toml
+	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get \
+		>/dev/null && apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; } \
+		|| echo "libibverbs1 is missing (apt-get install libibverbs1): the mooncake transport" \
+		"and its tests need it"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
