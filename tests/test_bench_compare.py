@@ -5,6 +5,7 @@ read from its metrics."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import socket
 from pathlib import Path
@@ -174,7 +175,7 @@ def test_goodput_per_configuration_and_rate_matches_hand_counts() -> None:
     lines = output.getvalue().splitlines()
     colocated = next(line for line in lines if "colocated" in line)
     assert [cell.strip() for cell in colocated.split("│")[1:-1]] == [
-        "colocated", "1.00", "-", "1", "1.50", "1.00", "50.00", "597.00", "20.00"
+        "colocated", "1.00", "-", "1", "1.50", "1.00", "50.00", "597.00", "20.00", ""
     ]  # fmt: skip
 
 
@@ -233,3 +234,37 @@ def test_the_router_s_decisions_are_read_from_its_metrics():
         "pd_decisions": {"disaggregated/long_prompt": 5.0, "whole/short_prompt": 2.0},
         "role_changes": {"prefill": 1.0},
     }
+
+
+def test_each_point_gets_what_the_router_decided_during_it(monkeypatch) -> None:
+    """A scrape before the sweep and one after each point: a point's decisions are the counts
+    that rose since the last scrape; the summary shows its role changes."""
+    metrics = RouterMetrics()
+    monkeypatch.setattr(
+        compare, "scrape_router_decisions", lambda url: router_decisions(metrics.render().decode())
+    )
+    per_point = compare.DecisionsPerPoint("http://router")
+    metrics.pd_decisions.labels("whole", "no_prefill_worker").inc(4)  # the warm-up, point 1
+    points = [sweep_point(3.0, 2.9), sweep_point(4.5, 3.8)]
+    asyncio.run(per_point(points[0]))
+    metrics.pd_decisions.labels("whole", "no_prefill_worker").inc(2)
+    metrics.pd_decisions.labels("disaggregated", "long_prompt").inc(7)
+    metrics.role_changes.labels("prefill").inc()
+    asyncio.run(per_point(points[1]))
+    assert points[0]["router_decisions"] == {
+        "pd_decisions": {"whole/no_prefill_worker": 4.0},
+        "role_changes": {},
+    }
+    assert points[1]["router_decisions"] == {
+        "pd_decisions": {"whole/no_prefill_worker": 2.0, "disaggregated/long_prompt": 7.0},
+        "role_changes": {"prefill": 1.0},
+    }
+    assert per_point.latest == router_decisions(metrics.render().decode())  # the sweep's total
+    assert compare.decisions_between(None, per_point.latest) is None  # a scrape unanswered
+    output = io.StringIO()
+    rows = comparison_rows([ResultSet("adaptive", points)])
+    print_comparison_summary(Console(file=output, width=200), rows)
+    cells = [
+        line.split("│")[-2].strip() for line in output.getvalue().splitlines() if "adaptive" in line
+    ]
+    assert cells == ["", "prefill 1"]

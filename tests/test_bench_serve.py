@@ -227,6 +227,33 @@ def test_sweep_writes_one_file_per_point_and_a_combined_file(tmp_path: Path) -> 
     assert len(set(prompts)) == len(prompts) == 17
 
 
+def test_a_sweep_hands_each_point_to_its_after_point_hook_before_writing_it(
+    tmp_path: Path,
+) -> None:
+    from tandem.bench.serve import options_from_args, run_sweep
+    from tandem.cli import build_parser
+
+    seen = []
+
+    async def after_point(point: dict) -> None:
+        seen.append(point["request_rate"])
+        point["noted"] = len(seen)
+
+    with fake_server(FakeBehaviour()) as base_url:
+        flags = common_flags(base_url, tmp_path, "--num-prompts", "2", "--request-rate", "5", "inf")
+        flags += ["--random-input-len", "8", "--random-output-len", "2", "--num-warmups", "0"]
+        args = build_parser().parse_args(["bench", *flags])
+        options = options_from_args(
+            args, base_url=base_url, model=None, label=None, result_dir=tmp_path,
+            result_filename="run",
+        )  # fmt: skip
+        outcome = asyncio.run(run_sweep(options, after_point=after_point))
+    assert seen == [5.0, "inf"]
+    assert [point["noted"] for point in outcome.results] == [1, 2]
+    combined = json.loads((tmp_path / "run-sweep.json").read_text())
+    assert [point["noted"] for point in combined["points"]] == [1, 2]  # written with it
+
+
 def test_space_separated_sweep_values_are_a_sweep(tmp_path: Path) -> None:
     """`--max-concurrency 1 2 4` (as vLLM's multi-value flags are written) was an argparse error;
     space- and comma-separated values sweep alike, and may be mixed."""

@@ -14,8 +14,9 @@ For each chosen configuration in turn: start `tandem serve` in its own process g
 whole group (SIGINT, then SIGTERM, then SIGKILL, each after a grace period). Only one cluster runs
 at a time, so all get the same hardware. Writes RESULT_DIR/<label>*.json, <label>-serve.log,
 compare.json (configuration x load: req/s, goodput, TTFT and TPOT p99, the commands, and what
-each cluster's router decided over its sweep: requests served disaggregated or whole, by reason,
-and the planner's role changes) and the picture (goodput against load, TTFT and TPOT against
+each cluster's router decided over its sweep and during each load point, the first with the
+warm-up: requests served disaggregated or whole, by reason, and the planner's role changes) and
+the picture (goodput against load, TTFT and TPOT against
 throughput), and prints the summary table.
 
 Invariant: a cluster this command started is stopped before the command returns, whatever
@@ -39,6 +40,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -258,6 +260,39 @@ def scrape_router_decisions(base_url: str) -> dict[str, dict[str, float]] | None
     return router_decisions(response.text)
 
 
+def decisions_between(
+    before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None
+) -> dict[str, dict[str, float]] | None:
+    """What the router decided between two scrapes (`router_decisions`): each count that rose,
+    by how much; None where a scrape did not answer."""
+    if before is None or after is None:
+        return None
+    return {
+        key: {
+            label: count - before.get(key, {}).get(label, 0.0)
+            for label, count in counts.items()
+            if count > before.get(key, {}).get(label, 0.0)
+        }
+        for key, counts in after.items()
+    }
+
+
+class DecisionsPerPoint:
+    """A sweep's `after_point`: what the router decided during each load point (the first with
+    the warm-up), from a scrape before the sweep and one after each point."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.latest = scrape_router_decisions(base_url)
+
+    async def __call__(self, point: dict[str, Any]) -> None:
+        before, self.latest = (
+            self.latest,
+            await asyncio.to_thread(scrape_router_decisions, self.base_url),
+        )
+        point["router_decisions"] = decisions_between(before, self.latest)
+
+
 def serve_command_of(args: argparse.Namespace) -> list[str]:
     if args.serve_command:
         return shlex.split(args.serve_command)
@@ -298,8 +333,9 @@ def main(args: argparse.Namespace) -> int:
         with running_cluster(
             command, base_url, cluster.num_workers, log_path, args.startup_timeout
         ) as process:
-            outcome = asyncio.run(run_sweep(options, tokenizer, console))
-            decisions[cluster.label] = scrape_router_decisions(base_url)
+            per_point = DecisionsPerPoint(base_url)
+            outcome = asyncio.run(run_sweep(options, tokenizer, console, per_point))
+            decisions[cluster.label] = per_point.latest
             if process.poll() is not None:
                 exit_codes[cluster.label] = process.returncode
                 console.print(

@@ -173,6 +173,7 @@ def print_comparison_summary(console: Console, rows: Sequence[dict[str, Any]]) -
         ("within SLO %", "slo_attainment"),
         ("TTFT p99 ms", "p99_ttft_ms"),
         ("TPOT p99 ms", "p99_tpot_ms"),
+        ("role changes", "role_changes"),
     )
     for header, _ in columns:
         table.add_column(header, justify="left" if header == "configuration" else "right")
@@ -181,6 +182,11 @@ def print_comparison_summary(console: Console, rows: Sequence[dict[str, Any]]) -
         if previous is not None and row["configuration"] != previous:
             table.add_section()
         previous = row["configuration"]
-        values = {**row, "slo_attainment": percent(row.get("slo_attainment"))}
+        changes = (row.get("router_decisions") or {}).get("role_changes") or {}
+        values = {
+            **row,
+            "slo_attainment": percent(row.get("slo_attainment")),
+            "role_changes": " ".join(f"{duty} {count:g}" for duty, count in changes.items()),
+        }
         table.add_row(*(format_value(values.get(key)) for _, key in columns))
     console.print(table)

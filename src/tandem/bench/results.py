@@ -134,6 +134,7 @@ COMPARISON_FIELDS = (
     "p99_ttft_ms",
     "median_tpot_ms",
     "p99_tpot_ms",
+    "router_decisions",  # during the point (tandem bench compare)
 )
 
 

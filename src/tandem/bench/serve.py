@@ -23,7 +23,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -327,9 +327,14 @@ def write_outcome(options: ServeOptions, model: str, results: list[dict[str, Any
 
 
 async def run_sweep(
-    options: ServeOptions, tokenizer: Tokenizer | None = None, console: Console | None = None
+    options: ServeOptions,
+    tokenizer: Tokenizer | None = None,
+    console: Console | None = None,
+    after_point: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> SweepOutcome:
-    """Run every load point of `options` against the server; raise BenchError on user errors."""
+    """Run every load point of `options` against the server; raise BenchError on user errors.
+    `after_point` sees each point's result once the point is done, before it is printed and
+    written, and may add to it (`tandem bench compare`: what the router decided meanwhile)."""
     console = console or make_console()
     try:
         warmup_samples, point_samples = sample_points(options, tokenizer)
@@ -366,6 +371,8 @@ async def run_sweep(
                 results.append(
                     point_result(options, model, point, samples, records, start, duration)
                 )
+                if after_point is not None:
+                    await after_point(results[-1])
                 print_point_summary(console, results[-1], options.percentiles)
     if len(results) > 1:
         print_sweep_summary(console, results)
