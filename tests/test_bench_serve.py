@@ -486,6 +486,7 @@ def test_compare_runs_three_configurations_and_stops_them(tmp_path: Path) -> Non
         assert entry["router_decisions"] is None  # the fake serves no /metrics: none to read
     rows = {(row["configuration"], row["request_rate"]): row for row in summary["rows"]}
     assert len(rows) == 6
+    assert all(row["router_decisions"] is None for row in rows.values())  # per point, alike
     for rate in (20.0, 40.0):
         assert rows["colocated", rate]["request_goodput"] == 0.0  # TTFT >= 200 ms every time
         assert rows["colocated", rate]["slo_attainment"] == 0.0
