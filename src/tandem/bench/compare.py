@@ -16,8 +16,8 @@ at a time, so all get the same hardware. Writes RESULT_DIR/<label>*.json, <label
 compare.json (configuration x load: req/s, goodput, TTFT and TPOT p99, the commands, and what
 each cluster's router decided over its sweep and during each load point, the first with the
 warm-up: requests served disaggregated or whole, by reason, and the planner's role changes) and
-the picture (goodput against load, TTFT and TPOT against
-throughput), and prints the summary table.
+the picture (goodput against load, TTFT and TPOT against throughput), and prints the summary
+table.
 
 Invariant: a cluster this command started is stopped before the command returns, whatever
 happened in between. One that exits during its sweep is named (console, compare.json) and the
