@@ -75,9 +75,11 @@ class Leg:
         return WorkerLost(lost_message(self.name, self.worker, self.lost_reason))
 
     def prefilled(self) -> None:
-        """The worker has computed the leg's prompt (its first byte is here)."""
-        self._pool.prefilled(self.worker, self._prompt_tokens)
-        self._prompt_tokens = 0
+        """The worker has computed the leg's prompt (its first byte is here). A stream calls
+        it on every event: only the first takes the count back."""
+        if self._prompt_tokens:
+            self._pool.prefilled(self.worker, self._prompt_tokens)
+            self._prompt_tokens = 0
 
     def close(self) -> None:
         """Finish the leg; a response not read to its end is cut, which aborts it upstream."""
