@@ -9,6 +9,7 @@ text is known in advance whichever flow served it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,7 +24,7 @@ from tandem.router.app import create_app
 from tandem.router.config import RouterConfig
 from tandem.router.decide import decide
 from tandem.router.metrics import RouterMetrics
-from tandem.router.planner import Planner
+from tandem.router.planner import Planner, decode_step_after_split_ms
 from tandem.router.policies import PrefixAwarePolicy, PrefixIndex, prefix_hashes
 from tandem.router.workers import NO_LOAD, Worker, WorkerLoad, load_of
 from test_router_flow import (
@@ -208,6 +209,51 @@ def test_planner_splits_a_colocated_pool_only_while_prompts_slow_the_streams():
         auto.load = WorkerLoad(tokens_waiting=0, tpot_p90_ms=45, idle_ms=1)
     planner.plan(autos, now=4.0)
     assert duties(autos) == ["decode"] * 3
+
+
+@pytest.mark.parametrize(
+    ("base_us", "us_per_ktoken", "after_ms", "splits"),
+    [
+        # each worker's arrivals keep 100k tokens of context per 30 ms of time per token: on one
+        # worker 200k per 30 ms, 6.67 tokens a microsecond; its step then settles where
+        # step = base + slope x 6.67 x step, step = base / (1 - slope x 6.67)
+        # mostly the weights (a large model's few streams): 8 ms / (1 - 0.02 x 6.67) = 9.2 ms
+        (8000, 20, 8 * 15 / 13, True),
+        # mostly KV reads (a small model's long contexts): 2 ms / (1 - 0.14 x 6.67) = 30 ms, the
+        # mark: the streams would last longer, overlap more, and miss
+        (2000, 140, 30.0, False),
+        (2000, 160, math.inf, False),  # 1 - 0.16 x 6.67 < 0: the steps would grow without end
+        (0, 0, 0.0, True),  # no line yet (too few decode steps, or a worker that sends none)
+    ],
+)
+def test_a_colocated_pool_splits_only_where_the_decode_step_left_settles_under_the_mark(
+    caplog, base_us, us_per_ktoken, after_ms, splits
+):
+    """Two workers at the TPOT mark (30 ms) with prompts waiting, each decoding 100k tokens of
+    context, a token every 30 ms."""
+    caplog.set_level("INFO", logger="tandem.router")
+    metrics = RouterMetrics()
+    planner = Planner(planner_config(planner_dwell_s=0.0), metrics)
+    autos = [worker(f"http://a{i}", "auto") for i in range(2)]
+    line = dict(decode_step_base_us=base_us, decode_step_us_per_ktoken=us_per_ktoken)
+    for index, auto in enumerate(autos):
+        auto.load = WorkerLoad(
+            tokens_waiting=5000, tpot_p90_ms=35, requests_running=2 - index,
+            decode_context_tokens=100_000, decode_token_interval_us=30_000, **line,
+        )  # fmt: skip
+    assert decode_step_after_split_ms(autos, autos[1]) == pytest.approx(after_ms)
+    planner.plan(autos, now=0.0)
+    assert duties(autos) == (["decode", "prefill"] if splits else ["decode", "decode"])
+    if after_ms:
+        said = "takes up prefill" if splits else "no split"
+        assert said in caplog.messages[-1]
+        assert caplog.messages[-1].endswith(f"the decode step then {after_ms:.1f} ms)")
+    gauge = metrics.registry.get_sample_value("tandem_router_planner_split_decode_step_ms")
+    assert gauge == pytest.approx(after_ms)
+    if not splits:  # said once while it holds, not every round
+        said = len(caplog.messages)
+        planner.plan(autos, now=1.0)
+        assert len(caplog.messages) == said and duties(autos) == ["decode", "decode"]
 
 
 def test_planner_gives_prefill_back_only_after_an_idle_time():

@@ -949,6 +949,14 @@ def test_metrics_count_one_streamed_request_exactly(worker, client):
     # recent: the unit tests below)
     load = httpx.get(f"{worker.url}/health", timeout=10).json()["load"]
     assert isinstance(load["tpot_p90_ms"], int)
+    # and what decoding costs the engine (0 until 32 decode steps)
+    for key in (
+        "decode_step_base_us",
+        "decode_step_us_per_ktoken",
+        "decode_context_tokens",
+        "decode_token_interval_us",
+    ):
+        assert isinstance(load[key], int) and load[key] >= 0
 
 
 def test_load_report_latency_is_the_p90_of_the_last_responses_tpot():

@@ -21,6 +21,7 @@ of several requests failed in a row, raise `FatalEngineError`, which ends the en
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -30,6 +31,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.outputs import EngineCoreOutput, KVConnectorOutput
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.step_costs import DecodeStepCosts
 from tandem.engine.structured_output import GrammarBackend
 from tandem.executor.base import Executor, ExecutorFailedError, make_executor
 from tandem.kv.connector.base import (
@@ -123,6 +125,7 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.kv_spec, self.kv_worker, self.max_model_len)
         self.grammars = GrammarBackend(self.model_config.vocab_size)
         self.num_failed_steps = 0  # of several requests, in a row
+        self.decode_step_costs = DecodeStepCosts()  # for the load report (a router's planner)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model,
@@ -201,8 +204,10 @@ class EngineCore:
 
     def step_batch(self) -> list[EngineCoreOutput]:
         """Schedule, run and update one batch, without taking finished transfers first."""
+        started = time.monotonic()
         try:
             scheduler_output = self.scheduler.schedule()
+            self.decode_step_costs.record(scheduler_output, started)
             runner_output = self.executor.execute_model(scheduler_output)
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         except Exception as exc:

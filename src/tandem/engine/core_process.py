@@ -78,6 +78,7 @@ def collect_stats(core) -> dict[str, Any]:
         "num_preemptions": scheduler.num_preemptions,
     }
     stats.update(core.connector.stats())
+    stats.update(core.decode_step_costs.report())
     return stats
 
 

@@ -138,6 +138,12 @@ class RouterMetrics:
             ["worker", "duty"],
             registry=self.registry,
         )
+        self.split_step_ms = Gauge(
+            "tandem_router_planner_split_decode_step_ms",
+            "The decode step the planner last predicted for a colocated pool split by one worker "
+            "(+Inf: steps would grow without end); it splits only under the TPOT mark.",
+            registry=self.registry,
+        )
         self.role_changes = Counter(
             "tandem_router_role_changes",
             "Duty changes of auto workers made by the planner, by the duty taken up.",

@@ -1,26 +1,27 @@
 """The planner: which duty each `auto` worker has now, from the workers' load reports.
 
-An auto worker (`tandem worker --role auto`) can take prefill legs, decode legs and whole
-requests. The planner gives each one a duty, `prefill` (prefill legs) or `decode` (decode legs
-and whole requests), and the router sends it only that work; a new one starts on `decode`, so
-auto workers alone are a colocated pool. After every health round it makes at most one change,
-none within `planner_dwell_s` of the last. A queue is the mean tokens waiting per worker of the
-side that prefills over the rounds of the last `planner_dwell_s` since the last change; the
-prefill workers are idle when each has had no request in flight for `planner_idle_s` (their
-`idle_ms`).
+An auto worker (`tandem worker --role auto`) takes prefill legs, decode legs and whole requests.
+The planner gives each a duty, `prefill` (prefill legs) or `decode` (decode legs and whole
+requests); a new one starts on `decode`, so auto workers alone are a colocated pool. After every
+health round it makes at most one change, none within `planner_dwell_s` of the last. A queue is
+the mean tokens waiting per worker of the side that prefills over the rounds since the last
+change (at most `planner_dwell_s`); prefill workers are idle when each has had no request in
+flight for `planner_idle_s` (their own count, `idle_ms`: a prefill step hides from the stats).
 
 * an auto prefill worker goes back to `decode` when the decode side's KV use passes
   `planner_decode_kv_high` or the prefill side is idle;
 * else, where at least two workers decode and decode has room, an auto decode worker takes up
   `prefill` when prompts slow a colocated pool's streams (no prefill worker, a TPOT p90 at
-  `planner_decode_tpot_high_ms` or more, a queue at `planner_prefill_queue_low` or more) or
-  the prefill workers fall behind (a queue over `planner_prefill_queue_high`).
+  `planner_decode_tpot_high_ms` or more, a queue at `planner_prefill_queue_low` or more, and
+  the decode step the others would settle at with its arrivals too under that mark) or the
+  prefill workers fall behind (a queue over `planner_prefill_queue_high`).
 
 Why: a split pays only where prefills slow decoding, else it halves prefill capacity; a TPOT
-p90 at the SLO means 10% of streams miss it. Idle is the workers' own count of requests in
-flight: the engine's stats are as of its last step, so a prefill worker computing each prompt in
-one step looked idle throughout, and the pool flapped (docs/benchmarks.md). A duty is a
-per-request choice, so a change drains by itself: requests in flight finish where they are.
+p90 at the SLO means 10% of streams miss it. Where steps are slow for the KV they read (a small
+model's long contexts), fewer decode workers make each step slower, so streams last longer and
+more overlap: the workers left settle where their line of step time against context meets the
+context their arrivals keep in flight (engine/step_costs.py; a 0.6B pool at 28 req/s went from
+6 to 19 ms a step, docs/benchmarks.md). A duty is a per-request choice: a change drains itself.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Planner:
         self._last_change = float("-inf")
         # (time, queue) of the rounds of the last dwell time since the last change
         self._rounds: deque[tuple[float, float]] = deque()
+        self._refusing = False  # the last split the streams asked for was predicted not to pay
 
     def plan(self, workers: Sequence[Worker], now: float | None = None) -> None:
         """Assigns a duty to every auto worker among `workers` (those in the pool), changing at
@@ -88,15 +90,26 @@ class Planner:
         on_decode = [worker for worker in decode if worker.role == "auto"]
         if not on_decode or len(decode) < 2 or decode_kv > config.planner_decode_kv_high:
             return None
+        worker = min(on_decode, key=lambda w: (w.load.requests_running, w.outstanding))
         tpot_ms = max((w.load.tpot_p90_ms for w in decode), default=0)
         streams_slowed = (
             not prefill
             and config.streams_slowed(tpot_ms)
             and queue >= config.planner_prefill_queue_low
         )
-        if streams_slowed or (prefill and queue > config.planner_prefill_queue_high):
-            why = f"TPOT p90 {tpot_ms} ms, queue {queue:.0f} tokens a worker"
-            worker = min(on_decode, key=lambda w: (w.load.requests_running, w.outstanding))
+        why = f"TPOT p90 {tpot_ms} ms, queue {queue:.0f} tokens a worker"
+        refused = False
+        if streams_slowed:
+            step_after_ms = decode_step_after_split_ms(decode, worker)
+            self._metrics.split_step_ms.set(step_after_ms)
+            if step_after_ms:
+                why += f", the decode step then {step_after_ms:.1f} ms"
+            refused = step_after_ms >= config.planner_decode_tpot_high_ms
+            if refused and not self._refusing:
+                logger.info("planner: no split (%s)", why)
+        self._refusing = refused
+        behind = prefill and queue > config.planner_prefill_queue_high
+        if (streams_slowed and not refused) or behind:
             return worker, "prefill", why
         return None
 
@@ -104,6 +117,17 @@ class Planner:
         worker.assigned = duty  # type: ignore[assignment]
         for each in DUTIES:
             self._metrics.auto_duty.labels(worker.url, each).set(1 if each == duty else 0)
+
+
+def decode_step_after_split_ms(decode: Sequence[Worker], leaving: Worker) -> float:
+    """The decode step the decode workers left would settle at if `leaving` took up prefill:
+    its arrivals' context (per microsecond of time per token, Little's law) spread over them,
+    on each one's line; inf where a step would grow without end, 0 where nothing is known."""
+    staying = [worker for worker in decode if worker is not leaving]
+    if not staying:
+        return 0.0
+    context_per_token_us = sum(w.load.context_per_token_us for w in decode) / len(staying)
+    return max(w.load.settled_decode_step_ms(context_per_token_us) for w in staying)
 
 
 def prefill_queue(workers: Sequence[Worker]) -> float:

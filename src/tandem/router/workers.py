@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,6 +52,29 @@ class WorkerLoad:
     kv_blocks_total: int = 0
     tpot_p90_ms: int = 0  # 90th percentile of its streams' time per output token (recent, live)
     idle_ms: int = 0  # how long it has had no request in flight (0: it has one)
+    # what its decoding costs (engine/step_costs.py; 0: not known yet): its decode step's line
+    # against the context it reads, and its latest steps' mean context and time per token
+    decode_step_base_us: int = 0
+    decode_step_us_per_ktoken: int = 0
+    decode_context_tokens: int = 0
+    decode_token_interval_us: int = 0
+
+    @property
+    def context_per_token_us(self) -> float:
+        """The context its streams keep in flight per microsecond of their time per token: by
+        Little's law that follows its arrivals, not how fast its steps run (0: not known)."""
+        if not self.decode_token_interval_us:
+            return 0.0
+        return self.decode_context_tokens / self.decode_token_interval_us
+
+    def settled_decode_step_ms(self, context_per_token_us: float) -> float:
+        """The decode step its line settles at where arrivals keep `context_per_token_us`: step
+        = base + slope x context with context = that x step, so step = base / (1 - slope x
+        that); inf where the steps would grow without end, 0 where its line is not known."""
+        if not self.decode_step_base_us:
+            return 0.0
+        load = self.decode_step_us_per_ktoken / 1000 * context_per_token_us
+        return math.inf if load >= 1 else self.decode_step_base_us / (1 - load) / 1000
 
     @property
     def kv_usage(self) -> float:

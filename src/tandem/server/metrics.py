@@ -47,6 +47,11 @@ LOAD_STATS = (
     "tokens_waiting",
     "kv_blocks_used",
     "kv_blocks_total",
+    # what a decode step costs (engine/step_costs.py)
+    "decode_step_base_us",
+    "decode_step_us_per_ktoken",
+    "decode_context_tokens",
+    "decode_token_interval_us",
 )
 
 # the responses a load report's tpot_p90_ms is taken over: the last this many, of those that

@@ -1,0 +1,80 @@
+"""What decoding costs the engine, for a router's planner: how long a decode step takes against
+the context it reads, and how much context its streams hold against how fast they move.
+
+A decode step's time, start to the next step's start, is fitted to a least-squares line, time =
+base + per_token x context tokens, over the recent steps that computed no prompt token (every
+request one token). Beside it, over the latest RATE_STEPS steps that decoded (alone or beside a
+prompt chunk), the mean context they read and the mean time between them, which is the streams'
+time per token. By Little's law their ratio is the context the worker's arrivals keep in flight
+per microsecond of that time: a planner splitting a colocated pool gives the workers left the
+ratio of those that leave, and finds the step each will settle at (router/planner.py). Dynamo's
+planner interpolates from an offline profile; this learns while serving.
+
+Invariant: each figure is 0 (unknown) until MIN_STEPS steps are behind it; a slope the noise
+makes negative reads as 0 (a flat line through the mean). A step time only counts where the next
+step decoded too: a step after which no stream was left is followed by idle time, not by work.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from tandem.engine.outputs import SchedulerOutput
+
+RECENT_STEPS = 1024  # a few seconds of decoding: contexts vary as requests come and go
+RATE_STEPS = 256  # a second or two, and many steps beside a prompt chunk of a long prompt
+MIN_STEPS = 32
+
+
+class DecodeStepCosts:
+    """The line's sums over the recent decode-alone steps, and the latest decode steps' context
+    and time, kept as steps come (each step's stats carry the report: it must cost nothing)."""
+
+    def __init__(self) -> None:
+        self._line_steps: deque[tuple[int, float]] = deque()  # (context, micros), decode alone
+        self._line_sums = [0.0, 0.0, 0.0, 0.0]  # context, micros, context^2, context x micros
+        self._rate_steps: deque[tuple[int, float]] = deque(maxlen=RATE_STEPS)
+        self._last: tuple[float, int, bool] | None = None  # the last step that decoded
+
+    def record(self, scheduler_output: SchedulerOutput, started: float) -> None:
+        """A step about to run, started at `started` (seconds, a monotonic clock)."""
+        requests = scheduler_output.requests
+        context = sum(r.start_position + 1 for r in requests if len(r.token_ids) == 1)
+        if self._last is not None and context:
+            last_started, last_context, decoded_alone = self._last
+            step = (last_context, (started - last_started) * 1e6)
+            self._rate_steps.append(step)
+            if decoded_alone:
+                self._add_to_line(step)
+        decoded_alone = bool(requests) and scheduler_output.num_batched_tokens == len(requests)
+        self._last = (started, context, decoded_alone) if context else None
+
+    def _add_to_line(self, step: tuple[int, float]) -> None:
+        self._line_steps.append(step)
+        self._sum(step, 1)
+        if len(self._line_steps) > RECENT_STEPS:
+            self._sum(self._line_steps.popleft(), -1)
+
+    def _sum(self, step: tuple[int, float], sign: int) -> None:
+        context, micros = step
+        for index, value in enumerate((context, micros, context * context, context * micros)):
+            self._line_sums[index] += sign * value
+
+    def report(self) -> dict[str, int]:
+        """decode_step_base_us and decode_step_us_per_ktoken (the line), decode_context_tokens
+        and decode_token_interval_us (the latest decode steps' mean context and time)."""
+        report = {"decode_step_base_us": 0, "decode_step_us_per_ktoken": 0}
+        count = len(self._line_steps)
+        if count >= MIN_STEPS:
+            context, micros, context_squared, cross = (total / count for total in self._line_sums)
+            variance = context_squared - context * context
+            slope = max(0.0, (cross - context * micros) / variance) if variance > 0 else 0.0
+            report["decode_step_base_us"] = round(max(0.0, micros - slope * context))
+            report["decode_step_us_per_ktoken"] = round(slope * 1000)
+        report["decode_context_tokens"] = report["decode_token_interval_us"] = 0
+        if len(self._rate_steps) >= MIN_STEPS:
+            contexts, micros = zip(*self._rate_steps, strict=True)
+            report["decode_context_tokens"] = round(statistics.fmean(contexts))
+            report["decode_token_interval_us"] = round(statistics.fmean(micros))
+        return report
