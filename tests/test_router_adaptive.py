@@ -222,6 +222,8 @@ def test_planner_splits_a_colocated_pool_only_while_prompts_slow_the_streams():
         # mostly KV reads (a small model's long contexts): 2 ms / (1 - 0.14 x 6.67) = 30 ms, the
         # mark: the streams would last longer, overlap more, and miss
         (2000, 140, 30.0, False),
+        # 2 ms / (1 - 0.138 x 6.67) = 25 ms: under the mark, but the streams' p90 would not be
+        (2000, 138, 25.0, False),
         (2000, 160, math.inf, False),  # 1 - 0.16 x 6.67 < 0: the steps would grow without end
         (0, 0, 0.0, True),  # no line yet (too few decode steps, or a worker that sends none)
     ],

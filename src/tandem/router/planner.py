@@ -13,7 +13,7 @@ flight for `planner_idle_s` (their own count, `idle_ms`: a prefill step hides fr
 * else, where at least two workers decode and decode has room, an auto decode worker takes up
   `prefill` when prompts slow a colocated pool's streams (no prefill worker, a TPOT p90 at
   `planner_decode_tpot_high_ms` or more, a queue at `planner_prefill_queue_low` or more, and
-  the decode step the others would settle at with its arrivals too under that mark) or the
+  the decode step the others would settle at with its arrivals too well under that mark) or the
   prefill workers fall behind (a queue over `planner_prefill_queue_high`).
 
 Why: a split pays only where prefills slow decoding, else it halves prefill capacity; a TPOT
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from tandem.router.workers import Worker
 
 DUTIES = ("prefill", "decode")
+# a decode worker's streams' TPOT p90 over its mean step: the mark is a p90, the prediction a
+# step (1.2 to 1.3 on the split 8B pool of docs/benchmarks.md's run J); it also leaves room for
+# a prediction made while the streams still ramp up (0.6B in run J: 9.7 ms predicted, 20 after)
+TPOT_P90_OVER_STEP = 1.25
 
 logger = logging.getLogger("tandem.router")
 
@@ -104,7 +108,7 @@ class Planner:
             self._metrics.split_step_ms.set(step_after_ms)
             if step_after_ms:
                 why += f", the decode step then {step_after_ms:.1f} ms"
-            refused = step_after_ms >= config.planner_decode_tpot_high_ms
+            refused = step_after_ms * TPOT_P90_OVER_STEP >= config.planner_decode_tpot_high_ms
             if refused and not self._refusing:
                 logger.info("planner: no split (%s)", why)
         self._refusing = refused
