@@ -11,7 +11,7 @@ from tandem.engine.core import EngineCore
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.step_costs import MIN_STEPS, RATE_STEPS, RECENT_STEPS, DecodeStepCosts
+from tandem.engine.step_costs import MIN_STEPS, RATE_WINDOW_S, RECENT_STEPS, DecodeStepCosts
 
 
 def step(*requests: tuple[int, int]) -> SchedulerOutput:
@@ -42,14 +42,14 @@ def test_the_line_through_decode_steps_is_the_least_squares_one():
     for context in contexts:  # two requests, each with half of it less one in the cache
         clock.run(step((1, context // 2 - 1), (1, context // 2 - 1)), 0.002 + 3e-7 * context)
     # a step's time is known once the next starts: 31 of 32 so far, too few to tell
-    assert costs.report() == dict.fromkeys(
+    assert costs.report(clock.now) == dict.fromkeys(
         ("decode_step_base_us", "decode_step_us_per_ktoken", "decode_context_tokens",
          "decode_token_interval_us"), 0,
     )  # fmt: skip
     clock.run(step((1, 5)), 0.001)
     # exactly on the line 2 ms + 0.3 us a token: the fit is that line; the rate, the 32 steps'
     # mean context and mean time
-    report = costs.report()
+    report = costs.report(clock.now)
     assert report["decode_step_base_us"] == 2000
     assert report["decode_step_us_per_ktoken"] == 300
     assert report["decode_context_tokens"] == round(sum(contexts) / len(contexts))
@@ -60,11 +60,11 @@ def test_the_line_through_decode_steps_is_the_least_squares_one():
 def test_steps_beside_a_prompt_chunk_count_in_the_rate_and_not_in_the_line():
     costs = DecodeStepCosts()
     clock = Clock(costs)
-    for index in range(RATE_STEPS // 2):  # alternately: decode alone, and beside 512 prompt tokens
+    for index in range(128):  # alternately: decode alone, and beside 512 prompt tokens
         clock.run(step((1, 999 + index % 7)), 0.001 + 1e-6 * (1000 + index % 7))
         clock.run(step((1, 999), (512, 0)), 0.050)
     clock.run(step((1, 999)), 0.001)
-    report = costs.report()
+    report = costs.report(clock.now)
     # the line: 1 ms + 1 us a token, from the decode-alone steps only (the 50 ms ones left out)
     assert report["decode_step_base_us"] == pytest.approx(1000, abs=1)
     assert report["decode_step_us_per_ktoken"] == 1000
@@ -79,13 +79,31 @@ def test_idle_time_after_the_last_stream_is_no_step():
     clock = Clock(costs)
     for _ in range(MIN_STEPS):
         clock.run(step((1, 100)), 0.004)
-    clock.run(step((1, 100)), 30.0)  # the last stream ends; nothing runs for 30 s
+    clock.run(step((1, 100)), 5.0)  # the last stream ends; nothing runs for 5 s
     clock.run(step((512, 0)), 0.2)  # a new prompt alone
     clock.run(step((1, 512)), 0.004)
     clock.run(step((1, 513)), 0.004)
-    report = costs.report()
+    report = costs.report(clock.now)
     assert report["decode_token_interval_us"] == 4000
     assert report["decode_step_base_us"] + report["decode_step_us_per_ktoken"] * 0.1 == 4000
+
+
+def test_a_lull_does_not_hide_the_load_of_the_last_window():
+    costs = DecodeStepCosts()
+    clock = Clock(costs)
+    for _ in range(100):  # 2 s of load: 100k tokens of context, 20 ms a step
+        clock.run(step((1, 99_999)), 0.020)
+    for _ in range(100):  # then a lull: the few streams left, 5k tokens, 2 ms a step
+        clock.run(step((1, 4_999)), 0.002)
+    clock.run(step((1, 4_999)), 0.002)
+    report = costs.report(clock.now)
+    assert report["decode_context_tokens"] == (100 * 100_000 + 100 * 5_000) / 200
+    assert report["decode_token_interval_us"] == pytest.approx(11_000, abs=1)
+    # once the load's steps are RATE_WINDOW_S old, the lull's alone
+    report = costs.report(100.0 + 2.0 + RATE_WINDOW_S + 0.001)
+    assert report["decode_context_tokens"] == 5_000
+    assert report["decode_token_interval_us"] == pytest.approx(2_000, abs=1)
+    assert costs.report(clock.now + RATE_WINDOW_S)["decode_token_interval_us"] == 0  # unknown
 
 
 def test_old_steps_leave_the_window_and_a_negative_slope_reads_flat():
@@ -93,14 +111,14 @@ def test_old_steps_leave_the_window_and_a_negative_slope_reads_flat():
     clock = Clock(costs)
     for index in range(MIN_STEPS + 1):  # noise: slower with less context
         clock.run(step((1, 1000 + 10 * index)), 0.004 - 1e-6 * index)
-    report = costs.report()
+    report = costs.report(clock.now)
     assert report["decode_step_us_per_ktoken"] == 0
     # the mean of 4000 - 0 ... 31 us
     assert report["decode_step_base_us"] == pytest.approx(4000 - 15.5, abs=1)
     for index in range(RECENT_STEPS + 1):  # a second regime: 1 ms + 1 us a token
         context = 1000 * (index % 50) + 1
         clock.run(step((1, context - 1)), 0.001 + 1e-6 * context)
-    report = costs.report()
+    report = costs.report(clock.now)
     assert report["decode_step_base_us"] == pytest.approx(1000, abs=1)
     assert report["decode_step_us_per_ktoken"] == 1000
 
