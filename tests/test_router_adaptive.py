@@ -258,6 +258,29 @@ def test_a_colocated_pool_splits_only_where_the_decode_step_left_settles_under_t
         assert len(caplog.messages) == said and duties(autos) == ["decode", "decode"]
 
 
+def test_a_colocated_pool_waits_to_split_until_its_load_is_known(caplog):
+    """Workers that report a line but not yet their context a microsecond (a load's first
+    seconds, which read low): no split until they do."""
+    caplog.set_level("INFO", logger="tandem.router")
+    planner = Planner(planner_config(planner_dwell_s=0.0), RouterMetrics())
+    autos = [worker(f"http://a{i}", "auto") for i in range(2)]
+    for auto in autos:
+        auto.load = WorkerLoad(
+            tokens_waiting=5000, tpot_p90_ms=35, decode_step_base_us=8000,
+            decode_step_us_per_ktoken=20, decode_context_tokens=0, decode_token_interval_us=0,
+        )  # fmt: skip
+    assert decode_step_after_split_ms(autos, autos[1]) is None
+    planner.plan(autos, now=0.0)
+    assert duties(autos) == ["decode", "decode"]
+    assert caplog.messages[-1].endswith("the decode step then not known yet)")
+    for auto in autos:  # known now, as in the first case above: 9.2 ms
+        auto.load = dataclasses.replace(
+            auto.load, decode_context_tokens=100_000, decode_token_interval_us=30_000
+        )
+    planner.plan(autos, now=1.0)
+    assert sorted(duties(autos)) == ["decode", "prefill"]
+
+
 def test_planner_gives_prefill_back_only_after_an_idle_time():
     """A prefill worker's engine stats show an empty queue and nothing running between prompts
     (and during a one-step prefill): it goes back to decoding only once it has had no request in

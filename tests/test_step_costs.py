@@ -11,7 +11,13 @@ from tandem.engine.core import EngineCore
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.step_costs import MIN_STEPS, RATE_WINDOW_S, RECENT_STEPS, DecodeStepCosts
+from tandem.engine.step_costs import (
+    MIN_STEPS,
+    RATE_KNOWN_S,
+    RATE_WINDOW_S,
+    RECENT_STEPS,
+    DecodeStepCosts,
+)
 
 
 def step(*requests: tuple[int, int]) -> SchedulerOutput:
@@ -23,12 +29,16 @@ def step(*requests: tuple[int, int]) -> SchedulerOutput:
     return SchedulerOutput(scheduled, sum(count for count, _ in requests))
 
 
+START = 100.0  # the clock's first step
+KNOWN = START + RATE_KNOWN_S  # the first time the context a microsecond is known
+
+
 class Clock:
     """Feeds steps to a DecodeStepCosts, each lasting the given seconds."""
 
     def __init__(self, costs: DecodeStepCosts) -> None:
         self.costs = costs
-        self.now = 100.0
+        self.now = START
 
     def run(self, output: SchedulerOutput, seconds: float) -> None:
         self.costs.record(output, self.now)
@@ -47,11 +57,14 @@ def test_the_line_through_decode_steps_is_the_least_squares_one():
          "decode_token_interval_us"), 0,
     )  # fmt: skip
     clock.run(step((1, 5)), 0.001)
-    # exactly on the line 2 ms + 0.3 us a token: the fit is that line; the rate, the 32 steps'
-    # mean context and mean time
+    # exactly on the line 2 ms + 0.3 us a token: the fit is that line
     report = costs.report(clock.now)
     assert report["decode_step_base_us"] == 2000
     assert report["decode_step_us_per_ktoken"] == 300
+    # the context and time not yet: the steps go back less than RATE_KNOWN_S; then the 32
+    # steps' mean context and mean time
+    assert report["decode_context_tokens"] == report["decode_token_interval_us"] == 0
+    report = costs.report(KNOWN)
     assert report["decode_context_tokens"] == round(sum(contexts) / len(contexts))
     mean_us = sum(2000 + 0.3 * context for context in contexts) / len(contexts)
     assert report["decode_token_interval_us"] == pytest.approx(mean_us, abs=1)
@@ -64,7 +77,7 @@ def test_steps_beside_a_prompt_chunk_count_in_the_rate_and_not_in_the_line():
         clock.run(step((1, 999 + index % 7)), 0.001 + 1e-6 * (1000 + index % 7))
         clock.run(step((1, 999), (512, 0)), 0.050)
     clock.run(step((1, 999)), 0.001)
-    report = costs.report(clock.now)
+    report = costs.report(KNOWN)
     # the line: 1 ms + 1 us a token, from the decode-alone steps only (the 50 ms ones left out)
     assert report["decode_step_base_us"] == pytest.approx(1000, abs=1)
     assert report["decode_step_us_per_ktoken"] == 1000
@@ -83,7 +96,7 @@ def test_idle_time_after_the_last_stream_is_no_step():
     clock.run(step((512, 0)), 0.2)  # a new prompt alone
     clock.run(step((1, 512)), 0.004)
     clock.run(step((1, 513)), 0.004)
-    report = costs.report(clock.now)
+    report = costs.report(KNOWN)
     assert report["decode_token_interval_us"] == 4000
     assert report["decode_step_base_us"] + report["decode_step_us_per_ktoken"] * 0.1 == 4000
 
@@ -96,11 +109,11 @@ def test_a_lull_does_not_hide_the_load_of_the_last_window():
     for _ in range(100):  # then a lull: the few streams left, 5k tokens, 2 ms a step
         clock.run(step((1, 4_999)), 0.002)
     clock.run(step((1, 4_999)), 0.002)
-    report = costs.report(clock.now)
+    report = costs.report(KNOWN)
     assert report["decode_context_tokens"] == (100 * 100_000 + 100 * 5_000) / 200
     assert report["decode_token_interval_us"] == pytest.approx(11_000, abs=1)
     # once the load's steps are RATE_WINDOW_S old, the lull's alone
-    report = costs.report(100.0 + 2.0 + RATE_WINDOW_S + 0.001)
+    report = costs.report(START + 2.0 + RATE_WINDOW_S + 0.001)
     assert report["decode_context_tokens"] == 5_000
     assert report["decode_token_interval_us"] == pytest.approx(2_000, abs=1)
     assert costs.report(clock.now + RATE_WINDOW_S)["decode_token_interval_us"] == 0  # unknown
@@ -126,11 +139,12 @@ def test_old_steps_leave_the_window_and_a_negative_slope_reads_flat():
 def test_an_engine_core_records_each_step_as_it_starts(tiny_checkpoints):
     core = EngineCore(EngineConfig(model=str(tiny_checkpoints["llama-gqa"]), num_kv_blocks=64))
     try:
-        recorded = []
+        recorded, starts = [], []
         record = core.decode_step_costs.record
 
         def spy(output: SchedulerOutput, started: float) -> None:
             recorded.append([(len(r.token_ids), r.start_position) for r in output.requests])
+            starts.append(started)
             record(output, started)
 
         core.decode_step_costs.record = spy
@@ -142,7 +156,10 @@ def test_an_engine_core_records_each_step_as_it_starts(tiny_checkpoints):
         assert recorded == [[(len(prompt), 0)]] + [
             [(1, len(prompt) + index)] for index in range(MIN_STEPS + 2)
         ]
-        report = core.decode_step_costs.report()
+        # the line is known at once; the context a microsecond RATE_KNOWN_S after the first
+        # decode step
+        assert core.decode_step_costs.report(starts[1] + 1)["decode_token_interval_us"] == 0
+        report = core.decode_step_costs.report(starts[1] + RATE_KNOWN_S)
         # 33 decode steps with a next one: contexts of the prompt and 1 to 33 tokens
         assert report["decode_context_tokens"] == len(prompt) + 17
         assert report["decode_token_interval_us"] > 0

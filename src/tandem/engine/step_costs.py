@@ -10,8 +10,9 @@ planner splitting a colocated pool gives the workers left the ratio of those tha
 finds the step each would settle at (router/planner.py). Dynamo's planner interpolates from an
 offline profile; this learns while serving.
 
-Invariant: each figure is 0 (unknown) until MIN_STEPS steps are behind it; a slope the noise
-makes negative reads as 0 (a flat line through the mean). A step time only counts where the next
+Invariant: each figure is 0 (unknown) until MIN_STEPS steps are behind it, the context and
+time until the window's steps go back RATE_KNOWN_S too; a slope the noise makes negative reads
+as 0 (a flat line through the mean). A step time only counts where the next
 step decoded too: a step after which no stream was left is followed by idle time, not by work.
 """
 
@@ -27,6 +28,10 @@ RECENT_STEPS = 1024  # a few seconds of decoding: contexts vary as requests come
 # which says when a split is asked for; a shorter one read the few streams left between two
 # bursts as the load, and the planner split on a lull
 RATE_WINDOW_S = 10.0
+# and they are known once the window's steps go back this far: the first seconds of a load read
+# low (its streams have not all arrived), and a 0.6B pool split on them (9.7 and 7.4 ms
+# predicted, 20 after)
+RATE_KNOWN_S = 8.0
 MIN_STEPS = 32
 
 
@@ -88,9 +93,10 @@ class DecodeStepCosts:
             slope = max(0.0, (cross - context * micros) / variance) if variance > 0 else 0.0
             report["decode_step_base_us"] = round(max(0.0, micros - slope * context))
             report["decode_step_us_per_ktoken"] = round(slope * 1000)
-        self._forget_rate_steps(time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        self._forget_rate_steps(now)
         steps = self._rate_steps
-        known = len(steps) >= MIN_STEPS
+        known = len(steps) >= MIN_STEPS and steps[0][0] <= now - RATE_KNOWN_S
         report["decode_context_tokens"] = round(self._rate_sums[0] / len(steps)) if known else 0
         report["decode_token_interval_us"] = round(self._rate_sums[1] / len(steps)) if known else 0
         return report

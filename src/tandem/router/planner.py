@@ -105,10 +105,15 @@ class Planner:
         refused = False
         if streams_slowed:
             step_after_ms = decode_step_after_split_ms(decode, worker)
-            self._metrics.split_step_ms.set(step_after_ms)
-            if step_after_ms:
-                why += f", the decode step then {step_after_ms:.1f} ms"
-            refused = step_after_ms * TPOT_P90_OVER_STEP >= config.planner_decode_tpot_high_ms
+            if step_after_ms is None:  # a load's first seconds: wait for them to tell
+                why += ", the decode step then not known yet"
+                refused = True
+            else:
+                self._metrics.split_step_ms.set(step_after_ms)
+                if step_after_ms:
+                    why += f", the decode step then {step_after_ms:.1f} ms"
+                predicted_ms = step_after_ms * TPOT_P90_OVER_STEP
+                refused = predicted_ms >= config.planner_decode_tpot_high_ms
             if refused and not self._refusing:
                 logger.info("planner: no split (%s)", why)
         self._refusing = refused
@@ -123,13 +128,16 @@ class Planner:
             self._metrics.auto_duty.labels(worker.url, each).set(1 if each == duty else 0)
 
 
-def decode_step_after_split_ms(decode: Sequence[Worker], leaving: Worker) -> float:
+def decode_step_after_split_ms(decode: Sequence[Worker], leaving: Worker) -> float | None:
     """The decode step the decode workers left would settle at if `leaving` took up prefill:
     its arrivals' context (per microsecond of time per token, Little's law) spread over them,
-    on each one's line; inf where a step would grow without end, 0 where nothing is known."""
+    on each one's line; inf where a step would grow without end. 0 where they report no line
+    (no prediction), None where a decode worker's context a microsecond is not known yet."""
     staying = [worker for worker in decode if worker is not leaving]
-    if not staying:
+    if not staying or not all(w.load.decode_step_base_us for w in staying):
         return 0.0
+    if not all(w.load.decode_token_interval_us for w in decode):
+        return None
     context_per_token_us = sum(w.load.context_per_token_us for w in decode) / len(staying)
     return max(w.load.settled_decode_step_ms(context_per_token_us) for w in staying)
 
