@@ -207,8 +207,8 @@ def add_adaptive_arguments(group: argparse._ArgumentGroup) -> None:
         help="auto workers: a pool that decodes and prefills on the same workers moves one to "
         "prefill once a worker's 90th percentile time per output token (its responses of the "
         "last 10 s and its streams now) reaches this: 10%% of its streams miss a TPOT SLO of "
-        "this (set it to yours; 0: never); conditional: a decode worker at it prefills no long "
-        "prompt",
+        "this (set it to yours; 0: never), where the decode step the others would settle at "
+        "is predicted well under it; conditional: a decode worker at it prefills no long prompt",
     )
     group.add_argument(
         "--planner-decode-kv-high",
