@@ -53,7 +53,8 @@ class WorkerLoad:
     tpot_p90_ms: int = 0  # 90th percentile of its streams' time per output token (recent, live)
     idle_ms: int = 0  # how long it has had no request in flight (0: it has one)
     # what its decoding costs (engine/step_costs.py; 0: not known yet): its decode step's line
-    # against the context it reads, and its latest steps' mean context and time per token
+    # against the context it reads, and the mean context and time per token of its decode
+    # steps of the last 10 s
     decode_step_base_us: int = 0
     decode_step_us_per_ktoken: int = 0
     decode_context_tokens: int = 0

@@ -47,7 +47,7 @@ LOAD_STATS = (
     "tokens_waiting",
     "kv_blocks_used",
     "kv_blocks_total",
-    # what a decode step costs (engine/step_costs.py)
+    # what decoding costs (engine/step_costs.py)
     "decode_step_base_us",
     "decode_step_us_per_ktoken",
     "decode_context_tokens",
