@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -408,6 +409,18 @@ def test_preempted_requests_resume_on_every_rank_with_their_new_blocks(
         assert tight.core.kv_manager.num_used_blocks == 0
     finally:
         shut_down(tight)
+
+
+def test_an_engine_dropped_without_shutdown_tells_its_ranks_to_stop(tiny_checkpoints):
+    """An offline engine that is never shut down (a script that ends after its generate): its
+    ranks are told to stop and exit by themselves (code 0), not killed after the stop timeout,
+    which would hold the interpreter's exit for seconds."""
+    llm = LLM(str(tiny_checkpoints["llama-gqa"]), num_kv_blocks=64, tensor_parallel_size=2)
+    assert token_ids(llm.generate([[5, 6, 7]], GREEDY))
+    processes = list(llm.core.executor.processes)
+    del llm
+    gc.collect()
+    assert [process.returncode for process in processes] == [0]
 
 
 def test_a_rank_that_dies_ends_the_engine(tiny_checkpoints):

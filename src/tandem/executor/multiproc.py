@@ -15,9 +15,10 @@ needs no second, CPU-side process group next to NCCL's; and a dead rank cannot b
 Failures: a rank that fails to start fails the engine's start with its error. A monitor thread
 waits on the rank processes; when one exits, the executor has failed (`check_health` raises
 `ExecutorFailedError`, which ends the engine, idle or mid-step: gloo's pending collective raises
-at once, NCCL's is aborted). Shutdown stops every rank (Shutdown, then SIGKILL; ranks ignore
-SIGINT and SIGTERM, which a terminal or a supervisor sends the worker's whole process group),
-and the ranks die with the engine core in any case (PR_SET_PDEATHSIG).
+at once, NCCL's is aborted). Shutdown, or the executor's end without it (an offline engine at
+the interpreter's exit), stops every rank (Shutdown, then SIGKILL; ranks ignore SIGINT and
+SIGTERM, which a terminal or a supervisor sends the worker's whole process group), and the ranks
+die with the engine core in any case (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -92,10 +93,12 @@ class MultiprocExecutor(Executor):
             arguments = (config, source, rank, address, input_address, reply_address)
             self.processes.append(start_rank(arguments))
         self.monitor = RankMonitor(self.processes)
-        # An executor dropped without shutdown() still stops its ranks.
+        # An executor dropped without shutdown() (an offline engine at the interpreter's exit)
+        # still stops its ranks, the same way.
         self._finalizer = weakref.finalize(
-            self, stop_ranks, self.monitor, self.processes, self.context, self.directory
-        )
+            self, stop_ranks, self.monitor, self.processes, self.inputs, self.context,
+            self.directory,
+        )  # fmt: skip
         try:
             self._wait_replies("start")
             device = rank_device(config, 0)
@@ -153,12 +156,6 @@ class MultiprocExecutor(Executor):
         if self.stopping:
             return
         self.stopping = True
-        self.monitor.stop()
-        for socket in self.inputs:
-            try:
-                socket.send(self.encoder.encode(Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # that rank is gone already
         self._finalizer()
         self.rank = None  # the KV cache goes with it
 
@@ -231,12 +228,17 @@ class RankMonitor:
 def stop_ranks(
     monitor: RankMonitor,
     processes: list[subprocess.Popen],
+    inputs: list[zmq.Socket],
     context: zmq.Context,
     directory: str,
 ) -> None:
-    """Wait for the ranks to stop (they were told to), else SIGKILL them; then free the
-    sockets and their directory."""
+    """Tell the ranks to stop and wait for them (about a second on 2 x H200), else SIGKILL
+    them; then free the sockets and their directory."""
     monitor.stop()
+    shutdown = msgspec.msgpack.encode(Shutdown())
+    for socket in inputs:
+        with contextlib.suppress(zmq.ZMQError):  # that rank is gone already
+            socket.send(shutdown, zmq.NOBLOCK)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for process in processes:
         with contextlib.suppress(subprocess.TimeoutExpired):
