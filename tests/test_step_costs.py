@@ -166,3 +166,15 @@ def test_an_engine_core_records_each_step_as_it_starts(tiny_checkpoints):
         assert report["decode_step_base_us"] + report["decode_step_us_per_ktoken"] > 0
     finally:
         core.shutdown()
+
+
+def test_a_line_with_a_negative_intercept_still_reads_as_known():
+    """Step times that grow faster than the context (a line through them would cross 0 above
+    it): the base is 1 us, not 0, which the planner would read as no line at all."""
+    costs = DecodeStepCosts()
+    clock = Clock(costs)
+    for index in range(MIN_STEPS + 1):  # 1 ms less 2 ms at context 10k: -2 ms + 0.3 us a token
+        context = 10_000 + 1000 * index
+        clock.run(step((1, context - 1)), -0.002 + 3e-7 * context)
+    report = costs.report(clock.now)
+    assert (report["decode_step_base_us"], report["decode_step_us_per_ktoken"]) == (1, 300)

@@ -12,7 +12,8 @@ offline profile; this learns while serving.
 
 Invariant: each figure is 0 (unknown) until MIN_STEPS steps are behind it, the context and
 time until the window's steps go back RATE_KNOWN_S too; a slope the noise makes negative reads
-as 0 (a flat line through the mean). A step time only counts where the next step decoded too: a
+as 0 (a flat line through the mean), and a known line's base is at least 1 us (one whose
+intercept is negative would read as unknown). A step time only counts where the next step decoded too: a
 step after which no stream was left is followed by idle time, not by work.
 """
 
@@ -91,7 +92,7 @@ class DecodeStepCosts:
             context, micros, context_squared, cross = (total / count for total in self._line_sums)
             variance = context_squared - context * context
             slope = max(0.0, (cross - context * micros) / variance) if variance > 0 else 0.0
-            report["decode_step_base_us"] = round(max(0.0, micros - slope * context))
+            report["decode_step_base_us"] = max(1, round(micros - slope * context))
             report["decode_step_us_per_ktoken"] = round(slope * 1000)
         now = time.monotonic() if now is None else now
         self._forget_rate_steps(now)
