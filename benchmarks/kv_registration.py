@@ -19,12 +19,6 @@ import torch
 from tandem.kv.data.nixl import VRAM_UCX_WORKERS, new_agent
 
 
-def timed(call) -> float:
-    started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, nargs="+", default=[8.0, 32.0, 100.0])
@@ -40,11 +34,14 @@ def main() -> None:
         agents = [new_agent(workers, progress_thread=True), new_agent(workers, False)]
         registrations, times = [], []
         for agent in agents:
-            times.append(timed(lambda: registrations.append(agent.register_memory(cache))))
+            started = time.perf_counter()
+            registrations.append(agent.register_memory(cache))
+            times.append(time.perf_counter() - started)
         assert all(r.descCount() == 1 for r in registrations), "one region a registration"
-        released = timed(
-            lambda: [a.deregister_memory(r) for a, r in zip(agents, registrations, strict=True)]
-        )
+        started = time.perf_counter()
+        for agent, registration in zip(agents, registrations, strict=True):
+            agent.deregister_memory(registration)
+        released = time.perf_counter() - started
         print(f"| {gb:g} | {times[0]:.3f} | {times[1]:.3f} | {released:.3f} |")
         del cache, agents
         if args.device == "cuda":

@@ -169,11 +169,11 @@ def test_an_engine_core_records_each_step_as_it_starts(tiny_checkpoints):
 
 
 def test_a_line_with_a_negative_intercept_still_reads_as_known():
-    """Step times that grow faster than the context (a line through them would cross 0 above
-    it): the base is 1 us, not 0, which the planner would read as no line at all."""
+    """Step times on a line that crosses 0 at a context above 0: the base is 1 us, not 0,
+    which the planner would read as no line at all."""
     costs = DecodeStepCosts()
     clock = Clock(costs)
-    for index in range(MIN_STEPS + 1):  # 1 ms less 2 ms at context 10k: -2 ms + 0.3 us a token
+    for index in range(MIN_STEPS + 1):  # -2 ms + 0.3 us a token: 1 ms at 10k tokens
         context = 10_000 + 1000 * index
         clock.run(step((1, context - 1)), -0.002 + 3e-7 * context)
     report = costs.report(clock.now)

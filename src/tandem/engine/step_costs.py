@@ -13,8 +13,8 @@ offline profile; this learns while serving.
 Invariant: each figure is 0 (unknown) until MIN_STEPS steps are behind it, the context and
 time until the window's steps go back RATE_KNOWN_S too; a slope the noise makes negative reads
 as 0 (a flat line through the mean), and a known line's base is at least 1 us (one whose
-intercept is negative would read as unknown). A step time only counts where the next step decoded too: a
-step after which no stream was left is followed by idle time, not by work.
+intercept is negative would read as unknown). A step time only counts where the next step
+decoded too: a step after which no stream was left is followed by idle time, not by work.
 """
 
 from __future__ import annotations
