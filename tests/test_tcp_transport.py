@@ -35,6 +35,7 @@ from kv_wire import (
     recv_exact,
     zeros_like_all,
 )
+from tandem.kv.control import wire
 from tandem.kv.control.client import RETRY_ATTEMPTS, KVClient
 from tandem.kv.control.server import KVServer
 from tandem.kv.errors import KVTransferError
@@ -1000,6 +1001,43 @@ def test_a_wait_whose_connection_breaks_is_retried_and_gets_the_announcement(
     held.release()
     assert done.wait_for(before + 1)[-1] == ("gpu", True)
     assert "gpu" not in server._transfers
+
+
+TCP_REPAIR = 19  # linux/tcp.h: a socket closed in repair mode goes without a FIN or a reset
+
+
+def vanish_without_a_word(connection: socket.socket) -> None:
+    """Close the server's end of a connection and tell its peer nothing, as when a reset
+    reached only this side or its host went down (needs CAP_NET_ADMIN)."""
+    try:
+        connection.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, 1)
+    except PermissionError:
+        pytest.skip("closing a socket silently (TCP_REPAIR) needs CAP_NET_ADMIN")
+    connection.close()
+
+
+def test_a_wait_whose_server_end_vanished_is_found_by_keepalive_and_retried(
+    make_server, retrying_client, monkeypatch
+):
+    """The server's end of a waiting connection disappears without a word to the client: the
+    first keepalive probe meets a reset, and the client waits again on a new connection and
+    gets the announcement, long before the wait's deadline (10 s) it would have sat out."""
+    monkeypatch.setattr(wire, "KEEPALIVE_IDLE_S", 1)
+    client, retries = retrying_client
+    server, _ = make_server()
+    started = time.monotonic()
+    waiter, outcome = wait_in_thread(client, server, "h", hold=False)
+    first = waiting_connection(server, "h")
+    assert first.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)  # the server's side too
+    time.sleep(0.5)  # the AWAIT acknowledged (no resend of it meets a reset), the client idle
+    vanish_without_a_word(first)
+    waiting_connection(server, "h", other_than=[first])
+    message = {"remote_request_id": "gpu", "first_token_id": 7}
+    server.announce("h", message)
+    waiter.join(10.0)
+    [(announcement, _)] = outcome
+    assert announcement == message and retries.count == 1
+    assert time.monotonic() - started < 5.0
 
 
 def test_a_wait_that_breaks_more_often_than_its_retries_fails(make_server, retrying_client):

@@ -4,10 +4,11 @@
 holds a lease while the decode reads the blocks itself (`Hold`), and waits for a handoff's
 announcement.
 Connections are pooled per peer and authenticated once (`tandem.kv.control.auth`). A request
-whose connection broke (or could not be opened) is tried again on a new one, RETRY_ATTEMPTS in
-all with backoff, within its deadline; a failed handshake, the server's ERROR reply, a
-timeout or a cancellation is not retried. Every failure is a `KVTransferError`. The protocol:
-docs/protocol.md, "The KV port".
+whose connection broke, could not be opened or stayed silent through the handshake is tried
+again on a new one, RETRY_ATTEMPTS in all with backoff, within its deadline; a refused
+handshake, the server's ERROR reply, the deadline or a cancellation is not retried. A wait
+learns of a peer gone without a word from TCP keepalive (`configure_socket`), within seconds.
+Every failure is a `KVTransferError`. The protocol: docs/protocol.md, "The KV port".
 """
 
 from __future__ import annotations
@@ -387,8 +388,10 @@ class KVClient:
         connection.close()
 
     def _connect(self, peer: tuple[str, int], deadline: float) -> socket.socket:
-        """A new connection that passed the handshake (by the handshake timeout at most).
-        Raises Broken when it could not be opened or broke; KVTransferError for the rest."""
+        """A new connection that passed the handshake; the connect and the handshake each take
+        the handshake timeout at most. Raises Broken when it could not be opened, broke or
+        stayed silent (a reply lost on the way reads as a silent peer, and nothing was asked on
+        it yet); KVTransferError for the rest (a peer that is no KV server, or refuses us)."""
         host, port = peer
         try:
             family, kind, proto, _, address = socket.getaddrinfo(
@@ -399,16 +402,20 @@ class KVClient:
             raise KVTransferError("connection", f"cannot resolve {host}:{port}: {exc}") from exc
         try:
             configure_socket(connection)
-            connection.settimeout(max(deadline - time.monotonic(), 1e-3))
+            connect_deadline = min(deadline, time.monotonic() + self._handshake_timeout)
+            connection.settimeout(max(connect_deadline - time.monotonic(), 1e-3))
             connection.connect(address)
             handshake_deadline = min(deadline, time.monotonic() + self._handshake_timeout)
             open_handshake(connection, self._key, peer, handshake_deadline)
-        except KVTransferError:
+        except KVTransferError as exc:
             connection.close()
+            if exc.kind == "timeout":
+                raise Broken(exc) from exc
             raise
         except TimeoutError as exc:
             connection.close()
-            raise KVTransferError("timeout", f"connecting to {host}:{port} timed out") from exc
+            error = KVTransferError("timeout", f"connecting to {host}:{port} timed out")
+            raise Broken(error) from exc
         except OSError as exc:
             connection.close()
             error = KVTransferError("connection", f"cannot connect to {host}:{port}: {exc}")

@@ -18,6 +18,13 @@ import msgspec
 import torch
 
 SOCKET_BUFFER_BYTES = 4 << 20
+# TCP keepalive on every KV connection: a peer that went away without a word (its host down, a
+# reset that reached only its side) is found within KEEPALIVE_IDLE_S + KEEPALIVE_PROBES *
+# KEEPALIVE_INTERVAL_S of silence (at the first probe where its host answers with a reset), not
+# at the end of a wait that may last minutes (a handoff's).
+KEEPALIVE_IDLE_S = 5
+KEEPALIVE_INTERVAL_S = 2
+KEEPALIVE_PROBES = 3
 MAX_CONTROL_BYTES = 1 << 20
 
 HEADER = struct.Struct("!4sB3xIQ")
@@ -143,6 +150,11 @@ def configure_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's keepalive times apply
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
