@@ -6,12 +6,15 @@ KV port's packets touches nothing else (tests/test_chaos.py runs it so, at CI sc
 
     unshare -n python tests/chaos.py               # CI scale: a few hundred requests
     unshare -n python tests/chaos.py --full        # 2,000 requests, concurrency 64
+    python tests/chaos.py --device cuda --prefill-tp 2 --engine-args="--dtype float32" \
+        --reference-device cuda:3 --reset-probability 0   # on four GPUs, KV over cuda-ipc
 
 The cluster is a router, one prefill and two decode workers (`tandem serve`, cluster token and API
-key set), beside a `both` worker that gives the reference answers. Checks at the end: no request
-hung, no 5xx, every complete answer token-identical to the reference, no stream that began with a
-200 ended in an error unless it was on the killed worker (at most the requests in flight then),
-the killed worker back in the pool, every worker holding 0 KV blocks. Prints a JSON summary (and
+key set; `--decode`, `--prefill-tp` and `--decode-tp` change the layout), beside a `both` worker
+that gives the reference answers. Checks at the end: no request hung, no 5xx, every complete
+answer token-identical to the reference, no stream that began with a 200 ended in an error unless
+it was on the killed worker (at most the requests in flight then), the killed worker back in the
+pool, every worker holding 0 KV blocks. Prints a JSON summary (and
 writes it to --json) and exits 1 when a check fails.
 """
 
@@ -24,6 +27,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -274,7 +278,7 @@ def fuzz(args: argparse.Namespace, token: str) -> dict:
     targets = {
         "router": (f"http://127.0.0.1:{ROUTER_PORT}", {"authorization": f"Bearer {API_KEY}"}),
         "decode worker": (
-            f"http://127.0.0.1:{WORKER_PORT_BASE + 2}",
+            f"http://127.0.0.1:{WORKER_PORT_BASE + args.decode}",  # the last one
             {"authorization": f"Bearer {API_KEY}"},
         ),
     }
@@ -316,16 +320,27 @@ def main() -> int:
         help="random mutations (beside the fixed hostile bodies)",
     )
     parser.add_argument("--no-kill", dest="kill", action="store_false")
+    parser.add_argument("--decode", type=int, default=2, help="decode workers (decode-0 is killed)")
+    parser.add_argument("--prefill-tp", type=int, default=1)
+    parser.add_argument("--decode-tp", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="the cluster's: cpu, or cuda (its GPUs)")
+    parser.add_argument("--reference-device", help="the reference worker's (default: --device)")
+    parser.add_argument(
+        "--engine-args", default="", help="more flags for every worker, e.g. '--dtype float32'"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="a checkpoint directory (default: a tiny random one)")
     parser.add_argument("--json", help="write the summary here too")
     args = parser.parse_args()
+    if args.kill and args.decode < 2:
+        parser.error("killing decode-0 leaves no decode worker: add one (--decode 2) or --no-kill")
     if args.full:
         args.requests, args.concurrency, args.fuzz_cases = 2000, 64, 1000
         args.reset_probability = 0.0025  # about one transfer in twenty sees a reset
     work = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     model = args.model or str(make_checkpoint("llama-gqa", work / "model"))
-    reset_kv_packets(KV_PORT_BASE, args.reset_probability)
+    if args.reset_probability > 0:
+        reset_kv_packets(KV_PORT_BASE, args.reset_probability)
 
     token = secrets.token_urlsafe(16)
     env = dict(os.environ, TANDEM_API_KEY=API_KEY, TANDEM_CLUSTER_TOKEN=token)
@@ -338,15 +353,20 @@ def main() -> int:
             "--model",
             model,
             "--device",
-            "cpu",
+            args.device,
             "--prefill",
             "1",
             "--decode",
-            "2",
+            str(args.decode),
+            "--prefill-tp",
+            str(args.prefill_tp),
+            "--decode-tp",
+            str(args.decode_tp),
             "--port",
             str(ROUTER_PORT),
             "--served-model-name",
             "chaos",
+            *shlex.split(args.engine_args),
         ],
         work / "serve.log",
         env,
@@ -360,11 +380,12 @@ def main() -> int:
             "--role",
             "both",
             "--device",
-            "cpu",
+            args.reference_device or args.device,
             "--port",
             str(REFERENCE_PORT),
             "--served-model-name",
             "chaos",
+            *shlex.split(args.engine_args),
         ],
         work / "reference.log",
         dict(env, TANDEM_API_KEY="", TANDEM_CLUSTER_TOKEN=""),
@@ -379,8 +400,8 @@ def main() -> int:
         outcomes = Outcomes()
         summary["load"] = asyncio.run(load(args, bodies, expected, outcomes))
         summary["outcomes"] = asdict(outcomes)
-        summary["packets_reset"] = packets_reset()
-        urls = [f"http://127.0.0.1:{WORKER_PORT_BASE + i}" for i in range(3)]
+        summary["packets_reset"] = packets_reset() if args.reset_probability > 0 else 0
+        urls = [f"http://127.0.0.1:{WORKER_PORT_BASE + i}" for i in range(1 + args.decode)]
         summary["killed_worker_back"] = wait_back(urls[1], serve)
         summary["blocks_held"] = wait_blocks_free(urls + [f"http://127.0.0.1:{REFERENCE_PORT}"])
         summary["serve_alive"] = serve.poll() is None
