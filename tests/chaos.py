@@ -310,8 +310,8 @@ def main() -> int:
     parser.add_argument(
         "--reset-probability",
         type=float,
-        default=0.01,
-        help="share of the KV port's packets answered with a TCP reset",
+        help="share of the KV port's packets answered with a TCP reset (default 0.01; --full:"
+        " 0.0025; 0: no resets, no iptables)",
     )
     parser.add_argument(
         "--fuzz-cases",
@@ -336,7 +336,10 @@ def main() -> int:
         parser.error("killing decode-0 leaves no decode worker: add one (--decode 2) or --no-kill")
     if args.full:
         args.requests, args.concurrency, args.fuzz_cases = 2000, 64, 1000
-        args.reset_probability = 0.0025  # about one transfer in twenty sees a reset
+        if args.reset_probability is None:
+            args.reset_probability = 0.0025  # about one transfer in twenty sees a reset
+    if args.reset_probability is None:
+        args.reset_probability = 0.01
     work = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     model = args.model or str(make_checkpoint("llama-gqa", work / "model"))
     if args.reset_probability > 0:
