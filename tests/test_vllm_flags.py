@@ -3,7 +3,8 @@ doing what vLLM's do.
 
 Parsing: the positional model, `--enable-prefix-caching`, `--kv-cache-dtype`, `--trust-remote-code`,
 `--kv-transfer-config` (vLLM's keys onto tandem's flags), and `tandem serve` taking every flag
-a worker takes alike (checked flag by flag against the worker's own parser).
+a worker takes alike (checked flag by flag against the worker's own parser); `--timeout-keep-alive`
+on a router (the worker's is the same flag).
 
 Behaviour, on real workers over one tiny random checkpoint without a tokenizer (SmolLM2's
 vocabulary in two layers), given SmolLM2's tokenizer by `--tokenizer`, all started at once:
@@ -21,6 +22,7 @@ sampled ones differ by the seed alone.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import ssl
 import time
@@ -40,7 +42,13 @@ from tandem.launcher.plan import plan_processes
 from tandem.server import kv_transfer_config
 from tandem.server.worker_flags import KV_FLAG_DEFAULTS
 from tls_certificates import self_signed_certificate
-from worker_fixtures import STARTUP_TIMEOUT_S, WorkerProcess, free_port, start_worker
+from worker_fixtures import (
+    STARTUP_TIMEOUT_S,
+    WorkerProcess,
+    free_port,
+    start_tandem,
+    start_worker,
+)
 
 # SmolLM2's vocabulary in a two-layer shape: an engine that loads in a moment
 TINY_CONFIG = {
@@ -299,15 +307,56 @@ def test_every_shared_worker_flag_given_to_serve_reaches_every_worker_as_given()
 
 
 def test_serve_gives_request_logs_and_the_root_path_to_the_router():
-    spec = parse_cluster(
-        cluster_data(parse("serve", "--root-path", "/api", "--disable-log-requests"))
-    )
+    given = ("--root-path", "/api", "--disable-log-requests", "--timeout-keep-alive", "30")
+    spec = parse_cluster(cluster_data(parse("serve", *given)))
     *workers, router = plan_processes(spec, "cpu", num_gpus=0, python="py")
     routed = parse(*router.argv[router.argv.index("router") :])
     assert (routed.root_path, routed.disable_log_requests) == ("/api", True)
+    assert routed.timeout_keep_alive == 30
     for plan in workers:
-        assert parse(*plan.argv[plan.argv.index("worker") :]).disable_log_requests
+        worker = parse(*plan.argv[plan.argv.index("worker") :])
+        assert worker.disable_log_requests and worker.timeout_keep_alive == 30
         assert "--root-path" not in plan.argv  # workers are reached on loopback, unprefixed
+    nothing_given = parse_cluster(cluster_data(parse("serve")))
+    defaults = plan_processes(nothing_given, "cpu", num_gpus=0, python="py")
+    assert all("--timeout-keep-alive" not in plan.argv for plan in defaults)
+    assert parse("worker").timeout_keep_alive == parse("router").timeout_keep_alive == 75
+
+
+def kept_open_after(port: int, idle_s: float) -> bool:
+    """Whether a connection that sat idle for idle_s still takes a request."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", "/version")
+        connection.getresponse().read()
+        time.sleep(idle_s)
+        connection.request("GET", "/version")
+        return connection.getresponse().status == 200
+    except (http.client.RemoteDisconnected, ConnectionError):
+        return False
+    finally:
+        connection.close()
+
+
+def test_idle_connections_outlive_client_pools_and_close_after_the_flags_time(tmp_path):
+    """A router keeps an idle connection past the 5 s after which httpx (the openai client)
+    drops it from its pool, so it never closes one under a request sent on it; with
+    `--timeout-keep-alive 0.5` it closes it after half a second (the worker's flag is the
+    same one, tandem.http_options)."""
+    workers = ("--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2")
+    routers = {
+        keep_alive: start_tandem(tmp_path, "router", *workers, *keep_alive)
+        for keep_alive in [(), ("--timeout-keep-alive", "0.5")]
+    }
+    try:
+        for router in routers.values():
+            wait_healthy(router, router.url, path="/version")  # /health: 503 with no worker
+        short = routers[("--timeout-keep-alive", "0.5")].port
+        assert kept_open_after(short, 0.1) and not kept_open_after(short, 1.5)
+        assert kept_open_after(routers[()].port, 6.0)
+    finally:
+        for router in routers.values():
+            router.stop()
 
 
 def test_uvicorn_log_levels_are_uvicorns(capsys):
@@ -332,13 +381,13 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return directory
 
 
-def wait_healthy(worker: WorkerProcess, url: str, **client_options) -> None:
+def wait_healthy(worker: WorkerProcess, url: str, path="/health", **client_options) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     with httpx.Client(**client_options) as client:
         while True:
             assert worker.process.poll() is None, worker.log_tail()
             try:
-                if client.get(f"{url}/health", timeout=2.0).status_code == 200:
+                if client.get(f"{url}{path}", timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

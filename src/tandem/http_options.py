@@ -1,6 +1,6 @@
 """The HTTP server flags the worker and the router share, with vLLM's names: `--root-path`,
-`--ssl-keyfile` / `--ssl-certfile` and `--disable-log-requests`; what they become in uvicorn's
-settings, and the middleware that serves an app under a root path.
+`--ssl-keyfile` / `--ssl-certfile`, `--disable-log-requests` and `--timeout-keep-alive`; what
+they become in uvicorn's settings, and the middleware that serves an app under a root path.
 
 * Root path: vLLM hands it to uvicorn, whose app then expects a proxy in front to strip the
   prefix. tandem serves both ways: a request under the prefix (a client straight, or a proxy
@@ -10,6 +10,12 @@ settings, and the middleware that serves an app under a root path.
   vLLM's other name for it, `--disable-uvicorn-access-log`); probes and scrapes (`/health`,
   `/metrics`, a router's once a second per worker) log none.
 * TLS: uvicorn serves HTTPS with the two files; one without the other is refused.
+* Keep-alive: an idle client connection is closed after `--timeout-keep-alive` seconds,
+  uvicorn's name (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE). The default is longer than the idle
+  time after which common clients and proxies drop a pooled connection themselves (httpx and
+  the openai client 5 s, aiohttp 15 s, nginx's upstream pool and AWS's load balancer 60 s): a
+  server that closes first can close a connection just as the client sends a request on it,
+  which then fails without an answer (uvicorn's 5 s, equal to httpx's, did so under load).
 
 Imports only argparse at import time, so that the CLIs load fast.
 """
@@ -26,6 +32,8 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Message, Receive, Send], Awaitable[None]]
+
+KEEP_ALIVE_S = 75.0  # nginx's server default: above the pools and load balancers named above
 
 
 def add_http_arguments(parser: argparse._ActionsContainer) -> None:
@@ -45,7 +53,29 @@ def add_http_arguments(parser: argparse._ActionsContainer) -> None:
         metavar="FILE",
         help="serve HTTPS with this certificate (chain), beside --ssl-keyfile",
     )
+    add_keep_alive_argument(parser)
     add_request_log_argument(parser)
+
+
+def positive_seconds(text: str) -> float:
+    seconds = float(text)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0")
+    return seconds
+
+
+def add_keep_alive_argument(
+    parser: argparse._ActionsContainer, default: float | None = KEEP_ALIVE_S, whose: str = ""
+) -> None:
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=positive_seconds,
+        default=default,
+        metavar="SECONDS",
+        help=f"close an idle client connection after this long{whose} (default "
+        f"{KEEP_ALIVE_S:g}: longer than clients and proxies keep an idle connection, so none "
+        "is closed as they send on it)",
+    )
 
 
 def add_request_log_argument(parser: argparse._ActionsContainer) -> None:
@@ -94,6 +124,7 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
         "access_log": not args.disable_log_requests,
         "ssl_keyfile": args.ssl_keyfile,
         "ssl_certfile": args.ssl_certfile,
+        "timeout_keep_alive": args.timeout_keep_alive,
     }
 
 

@@ -96,7 +96,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "file's values; the worker's defaults otherwise).",
     )
     from tandem.engine.cli import add_model_arguments
-    from tandem.http_options import add_request_log_argument
+    from tandem.http_options import add_keep_alive_argument, add_request_log_argument
 
     add_model_arguments(parser, "default: the cluster file's, else smollm2-135m-instruct")
     parser.add_argument("--config", metavar="CLUSTER_YAML", help="cluster description file")
@@ -202,6 +202,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the router serves under this path prefix too (see tandem router --help)",
     )
     add_request_log_argument(parser)
+    add_keep_alive_argument(parser, default=None, whose=", on the router and every worker")
     parser.add_argument(
         "--worker-port-base", type=int, metavar="PORT", help="first worker port (default port+100)"
     )
@@ -309,12 +310,20 @@ def worker_extra_args(args: argparse.Namespace) -> list[str]:
         if dest not in EngineSettings.model_fields
         for arg in as_worker_args(action, value)
     ]
-    return extra + (["--disable-log-requests"] if args.disable_log_requests else [])
+    return extra + shared_http_args(args)
 
 
 def router_extra_args(args: argparse.Namespace) -> list[str]:
     extra = ["--root-path", args.root_path] if args.root_path else []
-    return extra + (["--disable-log-requests"] if args.disable_log_requests else [])
+    return extra + shared_http_args(args)
+
+
+def shared_http_args(args: argparse.Namespace) -> list[str]:
+    """The HTTP server flags given to serve that the router and every worker take alike."""
+    shared = ["--disable-log-requests"] if args.disable_log_requests else []
+    if args.timeout_keep_alive is not None:
+        shared += ["--timeout-keep-alive", str(args.timeout_keep_alive)]
+    return shared
 
 
 def cluster_data(args: argparse.Namespace) -> Any:
