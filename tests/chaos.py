@@ -6,16 +6,17 @@ KV port's packets touches nothing else (tests/test_chaos.py runs it so, at CI sc
 
     unshare -n python tests/chaos.py               # CI scale: a few hundred requests
     unshare -n python tests/chaos.py --full        # 2,000 requests, concurrency 64
-    python tests/chaos.py --device cuda --prefill-tp 2 --engine-args="--dtype float32" \
-        --reference-device cuda:3 --reset-probability 0   # on four GPUs, KV over cuda-ipc
+    python tests/chaos.py --device cuda --prefill-tp 2 --reference-device cuda:3 \
+        "--engine-args=--dtype float32 --num-kv-blocks 4096" --reset-probability 0
+                                                   # on four GPUs, KV over cuda-ipc
 
 The cluster is a router, one prefill and two decode workers (`tandem serve`, cluster token and API
 key set; `--decode`, `--prefill-tp` and `--decode-tp` change the layout), beside a `both` worker
 that gives the reference answers. Checks at the end: no request hung, no 5xx, every complete
 answer token-identical to the reference, no stream that began with a 200 ended in an error unless
 it was on the killed worker (at most the requests in flight then), the killed worker back in the
-pool, every worker holding 0 KV blocks. Prints a JSON summary (and
-writes it to --json) and exits 1 when a check fails.
+pool, every worker holding 0 KV blocks. Prints a JSON summary (and writes it to --json) and exits
+1 when a check fails.
 """
 
 from __future__ import annotations

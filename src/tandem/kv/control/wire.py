@@ -18,10 +18,11 @@ import msgspec
 import torch
 
 SOCKET_BUFFER_BYTES = 4 << 20
-# TCP keepalive on every KV connection: a peer that went away without a word (its host down, a
-# reset that reached only its side) is found within KEEPALIVE_IDLE_S + KEEPALIVE_PROBES *
-# KEEPALIVE_INTERVAL_S of silence (at the first probe where its host answers with a reset), not
-# at the end of a wait that may last minutes (a handoff's).
+# TCP keepalive on every KV connection (the server's listener passes it to each one it accepts):
+# a peer that went away without a word (its host down, or a reset that reached the peer alone)
+# is found within KEEPALIVE_IDLE_S + KEEPALIVE_PROBES * KEEPALIVE_INTERVAL_S of silence (at the
+# first probe where its host answers with a reset), not at the end of a wait that may last
+# minutes (a handoff's).
 KEEPALIVE_IDLE_S = 5
 KEEPALIVE_INTERVAL_S = 2
 KEEPALIVE_PROBES = 3
