@@ -398,7 +398,7 @@ def test_a_handshake_whose_reply_is_lost_is_tried_again(make_server, make_client
     monkeypatch.setattr(kv_server, "serve_handshake", first_reply_lost)
     server, done = make_server()
     retries: list[None] = []
-    client = make_client(handshake_timeout=0.5, on_retry=lambda: retries.append(None))
+    client = make_client(handshake_timeout=2.0, on_retry=lambda: retries.append(None))
     layers = make_layers(seed=40, num_layers=2)
     server.publish("t", layers)
     dest = zeros_like_all(layers)
