@@ -1,5 +1,6 @@
 """Chaos and fuzz run against a real `tandem serve` cluster: hostile bodies, then concurrent load
-with client disconnects, KV connections reset at random and a decode worker SIGKILLed mid-run.
+with client disconnects, KV connections reset at random and a decode worker (or, with
+`--kill-role prefill`, a prefill worker) SIGKILLed mid-run.
 
 It runs inside a network namespace of its own, so that the iptables rule resetting a share of the
 KV port's packets touches nothing else (tests/test_chaos.py runs it so, at CI scale):
@@ -11,12 +12,12 @@ KV port's packets touches nothing else (tests/test_chaos.py runs it so, at CI sc
                                                    # on four GPUs, KV over cuda-ipc
 
 The cluster is a router, one prefill and two decode workers (`tandem serve`, cluster token and API
-key set; `--decode`, `--prefill-tp` and `--decode-tp` change the layout), beside a `both` worker
-that gives the reference answers. Checks at the end: no request hung, no 5xx, every complete
-answer token-identical to the reference, no stream that began with a 200 ended in an error unless
-it was on the killed worker (at most the requests in flight then), the killed worker back in the
-pool, every worker holding 0 KV blocks. Prints a JSON summary (and writes it to --json) and exits
-1 when a check fails.
+key set; `--prefill`, `--decode`, `--prefill-tp` and `--decode-tp` change the layout), beside a
+`both` worker that gives the reference answers. Checks at the end: no request hung, no 5xx, every
+complete answer token-identical to the reference, no stream that began with a 200 ended in an
+error unless it was on the killed worker (at most the requests in flight then), the killed worker
+back in the pool, every worker holding 0 KV blocks. Prints a JSON summary (and writes it to
+--json) and exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -229,7 +230,8 @@ def file_answer(token_ids: list[int], expected: list[int], outcomes: Outcomes) -
 async def load(
     args: argparse.Namespace, bodies: list[dict], expected: list[list[int]], outcomes: Outcomes
 ) -> dict:
-    """Run the requests at the given concurrency; SIGKILL decode-0 once a share of them is done."""
+    """Run the requests at the given concurrency; SIGKILL the chosen worker (decode-0 or
+    prefill-0) once a share of them is done."""
     rng = random.Random(args.seed)
     gate = asyncio.Semaphore(args.concurrency)
     done = 0
@@ -263,7 +265,7 @@ async def load(
                     in_flight -= 1
                     done += 1
                     if args.kill and not killed and done >= args.requests * 0.3:
-                        pid = pid_of_worker(WORKER_PORT_BASE + 1)  # decode-0
+                        pid = pid_of_worker(killed_port(args))
                         os.kill(pid, signal.SIGKILL)
                         killed.update(pid=pid, at_request=done)
                         outcomes.in_flight_at_kill = in_flight
@@ -274,12 +276,17 @@ async def load(
     return {"elapsed_s": round(elapsed, 1), "killed": killed}
 
 
+def killed_port(args: argparse.Namespace) -> int:
+    """The HTTP port of the worker the run kills (`tandem serve` numbers prefill workers first)."""
+    return WORKER_PORT_BASE + (0 if args.kill_role == "prefill" else args.prefill)
+
+
 def fuzz(args: argparse.Namespace, token: str) -> dict:
     """Hostile bodies at the router and straight at a decode worker: no 5xx, no hang."""
     targets = {
         "router": (f"http://127.0.0.1:{ROUTER_PORT}", {"authorization": f"Bearer {API_KEY}"}),
         "decode worker": (
-            f"http://127.0.0.1:{WORKER_PORT_BASE + args.decode}",  # the last one
+            f"http://127.0.0.1:{WORKER_PORT_BASE + args.prefill + args.decode - 1}",  # the last
             {"authorization": f"Bearer {API_KEY}"},
         ),
     }
@@ -321,7 +328,11 @@ def main() -> int:
         help="random mutations (beside the fixed hostile bodies)",
     )
     parser.add_argument("--no-kill", dest="kill", action="store_false")
-    parser.add_argument("--decode", type=int, default=2, help="decode workers (decode-0 is killed)")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=2, help="decode workers")
+    parser.add_argument(
+        "--kill-role", choices=["decode", "prefill"], default="decode", help="whose worker 0 dies"
+    )
     parser.add_argument("--prefill-tp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="the cluster's: cpu, or cuda (its GPUs)")
@@ -333,8 +344,9 @@ def main() -> int:
     parser.add_argument("--model", help="a checkpoint directory (default: a tiny random one)")
     parser.add_argument("--json", help="write the summary here too")
     args = parser.parse_args()
-    if args.kill and args.decode < 2:
-        parser.error("killing decode-0 leaves no decode worker: add one (--decode 2) or --no-kill")
+    if args.kill and getattr(args, args.kill_role) < 2:
+        role = args.kill_role
+        parser.error(f"killing {role}-0 leaves no {role} worker: add one (--{role} 2) or --no-kill")
     if args.full:
         args.requests, args.concurrency, args.fuzz_cases = 2000, 64, 1000
         if args.reset_probability is None:
@@ -359,7 +371,7 @@ def main() -> int:
             "--device",
             args.device,
             "--prefill",
-            "1",
+            str(args.prefill),
             "--decode",
             str(args.decode),
             "--prefill-tp",
@@ -405,8 +417,10 @@ def main() -> int:
         summary["load"] = asyncio.run(load(args, bodies, expected, outcomes))
         summary["outcomes"] = asdict(outcomes)
         summary["packets_reset"] = packets_reset() if args.reset_probability > 0 else 0
-        urls = [f"http://127.0.0.1:{WORKER_PORT_BASE + i}" for i in range(1 + args.decode)]
-        summary["killed_worker_back"] = wait_back(urls[1], serve)
+        urls = [
+            f"http://127.0.0.1:{WORKER_PORT_BASE + i}" for i in range(args.prefill + args.decode)
+        ]
+        summary["killed_worker_back"] = wait_back(f"http://127.0.0.1:{killed_port(args)}", serve)
         summary["blocks_held"] = wait_blocks_free(urls + [f"http://127.0.0.1:{REFERENCE_PORT}"])
         summary["serve_alive"] = serve.poll() is None
     finally:
