@@ -75,25 +75,8 @@ def reset_kv_packets(port: int, probability: float) -> None:
     """Reset a share of the TCP packets to and from the KV port (both directions)."""
     sh("ip", "link", "set", "lo", "up")
     for direction in ("--dport", "--sport"):
-        sh(
-            "iptables",
-            "-A",
-            "INPUT",
-            "-p",
-            "tcp",
-            direction,
-            str(port),
-            "-m",
-            "statistic",
-            "--mode",
-            "random",
-            "--probability",
-            str(probability),
-            "-j",
-            "REJECT",
-            "--reject-with",
-            "tcp-reset",
-        )
+        rule = f"-p tcp {direction} {port} -m statistic --mode random --probability {probability}"
+        sh("iptables", "-A", "INPUT", *rule.split(), "-j", "REJECT", "--reject-with", "tcp-reset")
 
 
 def packets_reset() -> int:
