@@ -346,7 +346,9 @@ def test_a_client_that_leaves_while_the_kv_is_on_the_way_leaves_nothing_held(cli
     withdrawn_before = failures(decode, "aborted")
     generated_before = metric(decode, "tandem_generation_tokens_total")
 
-    body = with_defaults(greedy(token_prompt(41, 150, *VOCAB), True, 600))  # 10 blocks
+    # seeds past 100: no earlier test's prompt shares their prefix, which the decode worker
+    # would then hold and not read (21 to 53 are taken)
+    body = with_defaults(greedy(token_prompt(141, 150, *VOCAB), True, 600))  # 10 blocks
     params = prefill_leg(client, prefill.url, COMPLETIONS, body)["kv_transfer_params"]
     with pytest.raises(httpx.TimeoutException):  # gone long before the KV comes
         client.post(
@@ -360,7 +362,7 @@ def test_a_client_that_leaves_while_the_kv_is_on_the_way_leaves_nothing_held(cli
     generated_before = metric(decode, "tandem_generation_tokens_total")
     received_before = metric(decode, "tandem_kv_transfer_blocks_received")
     aborted_before = router_outcomes(router, "aborted")
-    read_chunks_then_leave(router, greedy(token_prompt(42, 150, *VOCAB), True, 600), 1)
+    read_chunks_then_leave(router, greedy(token_prompt(142, 150, *VOCAB), True, 600), 1)
     wait_until(lambda: router_outcomes(router, "aborted") == aborted_before + 1, 30, "no abort")
     assert_nothing_held(prefill, decode, timeout=DELAY_S + 20)
     received = metric(decode, "tandem_kv_transfer_blocks_received") - received_before
@@ -386,11 +388,11 @@ def test_a_broken_transfer_is_a_clear_error_with_the_fail_policy(client, workers
     router = workers.router("prefill-1-drop", "decode-2-fail")
     broken_before = failures(decode, "connection")
     message = "the KV transfer from the prefill worker failed (connection)"
-    collected = with_defaults(greedy(token_prompt(51, 120, *VOCAB), stream=False))
+    collected = with_defaults(greedy(token_prompt(151, 120, *VOCAB), stream=False))
     response = client.post(router.url + COMPLETIONS, json=collected, timeout=HTTP_TIMEOUT_S)
     assert response.status_code == 500, response.text
     assert response.json()["error"]["message"] == message
-    streamed = with_defaults(greedy(token_prompt(52, 120, *VOCAB), stream=True))
+    streamed = with_defaults(greedy(token_prompt(152, 120, *VOCAB), stream=True))
     reference = run_direct(client, workers["both"].url, COMPLETIONS, streamed)
     with client.stream(
         "POST", router.url + COMPLETIONS, json=streamed, timeout=HTTP_TIMEOUT_S
