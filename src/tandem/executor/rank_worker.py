@@ -13,6 +13,7 @@ its parent (the engine core), and ignores SIGINT: the engine core decides when i
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -131,8 +132,13 @@ def shard_connector(model_rank: Rank, kv_transfer: RankKVTransfer) -> KVConnecto
 
 
 def main() -> None:
-    """`python -m tandem.executor.rank_worker`, run_rank's arguments pickled on stdin."""
+    """`python -m tandem.executor.rank_worker`, run_rank's arguments pickled on stdin. Leaves
+    without the interpreter's teardown, as the engine core does: a gloo thread that is still
+    letting go of the last collective's tensors takes the GIL, which the teardown has ended,
+    and aborts the process (SIGABRT, "terminate called without an active exception")."""
     run_rank(*pickle.load(sys.stdin.buffer))
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":
