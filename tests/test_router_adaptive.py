@@ -155,6 +155,9 @@ def test_planner_moves_auto_workers_between_prefill_and_decode_as_load_shifts(ca
     autos[1].load = WorkerLoad(tokens_waiting=3000)
     planner.plan(autos, now=16.0)
     assert duties(autos) == ["prefill", "prefill", "decode"]
+    assert caplog.messages[-1] == (
+        "planner: http://a0 takes up prefill (prefill side behind: queue 2250 tokens a worker)"
+    )
     # Never the last decode worker, however long the prefill queue.
     planner.plan(autos, now=30.0)
     assert duties(autos) == ["prefill", "prefill", "decode"]

@@ -117,9 +117,10 @@ class Planner:
             if refused and not self._refusing:
                 logger.info("planner: no split (%s)", why)
         self._refusing = refused
-        behind = prefill and queue > config.planner_prefill_queue_high
-        if (streams_slowed and not refused) or behind:
+        if streams_slowed and not refused:
             return worker, "prefill", why
+        if prefill and queue > config.planner_prefill_queue_high:
+            return worker, "prefill", f"prefill side behind: queue {queue:.0f} tokens a worker"
         return None
 
     def _assign(self, worker: Worker, duty: str) -> None:
