@@ -1,11 +1,18 @@
-"""Small all-reduces between two GPUs, as a tensor-parallel decode step makes them: NCCL against
-torch's symmetric-memory one-shot all-reduce, each captured 64 times in a CUDA graph.
+"""All-reduces between two GPUs as a tensor-parallel step makes them: NCCL against torch's
+symmetric-memory all-reduces.
 
-Two processes (one per GPU) join one NCCL process group; for each shape (rows x hidden, bf16)
-each checks the one-shot result against NCCL's, then times the graph's replays with CUDA events
-(50 replays after 5) and prints microseconds per all-reduce, rank 0's line first. The one-shot
-all-reduce reads every peer's buffer over NVLink (no multicast), from a buffer both ranks
-allocate with `symm_mem.empty` and join with `symm_mem.rendezvous`.
+Small ones (a decode step's, one row per sequence): NCCL against the one-shot all-reduce, each
+captured 64 times in a CUDA graph. Two processes (one per GPU) join one NCCL process group; for
+each shape (rows x hidden, bf16) each checks the one-shot result against NCCL's, then times the
+graph's replays with CUDA events (50 replays after 5) and prints microseconds per all-reduce,
+rank 0's line first. The one-shot all-reduce reads every peer's buffer over NVLink (no
+multicast), from a buffer both ranks allocate with `symm_mem.empty` and join with
+`symm_mem.rendezvous`.
+
+Large ones (a prompt's hidden states, up to 8192 x 4096): NCCL against the two-shot all-reduce
+(each rank sums its half of every rank's buffer, then reads the other half's sum from its peer),
+alone and with the copies into and out of its buffer that a model's tensors would need; eager,
+20 all-reduces after 3 timed with CUDA events, milliseconds per all-reduce.
 
     python benchmarks/all_reduce.py
 """
@@ -19,7 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SHAPES = [(1, 4096), (8, 4096), (32, 4096), (64, 4096), (64, 1024)]
+PROMPT_SHAPES = [(1024, 4096), (4096, 4096), (8192, 4096)]
 CALLS_PER_GRAPH, REPLAYS = 64, 50
+PROMPT_CALLS = 20
 
 
 def graph_us(fn) -> float:
@@ -75,6 +84,47 @@ def time_shape(rows: int, hidden: int, group: str) -> dict[str, float]:
             "one_shot_us": graph_us(one_shot_calls)}  # fmt: skip
 
 
+def eager_ms(fn) -> float:
+    """Milliseconds per call of fn, PROMPT_CALLS calls after 3, on the GPU's clock."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(PROMPT_CALLS):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / PROMPT_CALLS
+
+
+def time_prompt_shape(rows: int, hidden: int, group: str) -> dict[str, float]:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
+    buffer = symm_mem.empty(rows * hidden, dtype=torch.bfloat16, device="cuda")
+    symm_mem.rendezvous(buffer, group)
+
+    def two_shot() -> None:
+        torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", group)
+
+    def two_shot_with_copies() -> None:
+        buffer.copy_(x.view(-1))
+        two_shot()
+        x.view(-1).copy_(buffer)
+
+    reference = x.clone()
+    dist.all_reduce(reference)
+    buffer.copy_(x.view(-1))
+    two_shot()
+    difference = buffer.view(rows, hidden).float() - reference.float()
+    error = difference.norm() / reference.float().norm()
+    return {"relative_error": error.item(), "nccl_ms": eager_ms(lambda: dist.all_reduce(x)),
+            "two_shot_ms": eager_ms(two_shot),
+            "two_shot_with_copies_ms": eager_ms(two_shot_with_copies)}  # fmt: skip
+
+
 def rank_main(rank: int, size: int, port: int, results) -> None:
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
@@ -82,7 +132,10 @@ def rank_main(rank: int, size: int, port: int, results) -> None:
                             device_id=torch.device("cuda", rank))  # fmt: skip
     group = dist.group.WORLD.group_name
     timed = {f"{rows}x{hidden}": time_shape(rows, hidden, group) for rows, hidden in SHAPES}
-    results.put((rank, timed))
+    prompts = {
+        f"{rows}x{hidden}": time_prompt_shape(rows, hidden, group) for rows, hidden in PROMPT_SHAPES
+    }
+    results.put((rank, {"decode": timed, "prompt": prompts}))
     dist.destroy_process_group()
 
 
@@ -99,10 +152,19 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)} x2, bf16, us per all-reduce (rank 0 / rank 1)")
     print("| rows x hidden | NCCL | one-shot (symmetric memory) |")
     print("| --- | --- | --- |")
-    for shape in by_rank[0]:
-        first, second = by_rank[0][shape], by_rank[1][shape]
+    for shape in by_rank[0]["decode"]:
+        first, second = by_rank[0]["decode"][shape], by_rank[1]["decode"][shape]
         print(f"| {shape} | {first['nccl_us']:.1f} / {second['nccl_us']:.1f} | "
               f"{first['one_shot_us']:.1f} / {second['one_shot_us']:.1f} |")  # fmt: skip
+    print("\nprompt sizes, eager, ms per all-reduce (rank 0 / rank 1)")
+    print("| rows x hidden | NCCL | two-shot | two-shot with copies in and out |")
+    print("| --- | --- | --- | --- |")
+    for shape in by_rank[0]["prompt"]:
+        cells = [
+            f"{by_rank[0]['prompt'][shape][key]:.3f} / {by_rank[1]['prompt'][shape][key]:.3f}"
+            for key in ("nccl_ms", "two_shot_ms", "two_shot_with_copies_ms")
+        ]
+        print(f"| {shape} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
