@@ -62,7 +62,9 @@ def cuda_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def ceilings() -> dict:
+def ceilings(peer_copy: bool = True) -> dict:
+    """GPU 0's copy rate and bf16 matrix rate; with `peer_copy`, GPU 0 -> GPU 1's copy rate too
+    (when there are two GPUs)."""
     device = torch.device("cuda:0")
     source = torch.empty(2 << 30, dtype=torch.uint8, device=device)
     dest = torch.empty_like(source)
@@ -73,7 +75,7 @@ def ceilings() -> dict:
     b = torch.randn_like(a)
     matmul_s = cuda_time(lambda: a @ b, 10)
     result["matmul_bf16_TFLOPs"] = 2 * 8192**3 / matmul_s / 1e12
-    if torch.cuda.device_count() > 1:
+    if peer_copy and torch.cuda.device_count() > 1:
         source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
         dest = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:1")
         p2p_s = cuda_time(lambda: dest.copy_(source), 10)
@@ -105,6 +107,27 @@ def weight_bytes(core: EngineCore, decode: bool, expert_share: float = 1.0) -> i
             param.numel() * param.element_size() * (expert_share if expert_parameter(name) else 1)
         )
     return int(total)
+
+
+def prefill_flops(core: EngineCore, tokens: int) -> float:
+    """Matrix FLOPs of one causal prompt of `tokens` on rank 0 (its shard under TP): the weights
+    a token uses (of the routed experts, k of E), attention's scores and values over half the
+    square (causal), and the LM head for the last token only (the one whose logits are made)."""
+    config, moe = core.model_config, core.model_config.moe
+    model = first_rank(core).model
+    per_token = 0.0
+    for name, param in model.named_parameters():
+        if param.dim() < 2 or name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            continue
+        per_token += param.numel() * (moe.top_k / moe.num_experts if expert_parameter(name) else 1)
+    if config.mla is not None:
+        qk = config.mla.qk_nope_head_dim + config.mla.qk_rope_head_dim
+        v = config.mla.v_head_dim
+    else:
+        qk = v = config.head_dim
+    heads = config.num_heads // core.config.tensor_parallel_size
+    attention = config.num_layers * heads * (qk + v) * tokens * (tokens + 1) / 2
+    return 2 * (per_token * tokens + attention + model.lm_head.weight.numel())
 
 
 def run_steps_until_done(core: EngineCore) -> None:
@@ -191,18 +214,12 @@ def roofline(limits: dict) -> dict:
             gpu_memory_utilization=0.85,
         )
     )
-    config = core.model_config
     request = random_requests(core)
 
     # prefill of 8192 tokens: one step
     num_prompt = 8192
     prefill_s = prefill_step_s(core, request, num_prompt)
-    lm_head_params = config.vocab_size * config.hidden_size
-    linear_flops = 2 * (weight_bytes(core, decode=True) // 2 - lm_head_params)
-    attention_flops = 4 * config.num_layers * config.num_heads * config.head_dim
-    attention_flops *= num_prompt * (num_prompt + 1) // 2
-    flops = linear_flops * num_prompt + attention_flops + 2 * config.vocab_size * config.hidden_size
-    prefill_tflops = flops / prefill_s / 1e12
+    prefill_tflops = prefill_flops(core, num_prompt) / prefill_s / 1e12
 
     # decode at batch 1 with a 128-token context
     core.add_request(request("decode", 128, 160))

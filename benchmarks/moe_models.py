@@ -13,9 +13,10 @@ Each model runs in a process of its own. Measured (medians after warm-up, host c
                       experts the batch is expected to touch (E * (1 - (1 - k/E) ** batch) per
                       layer, uniform routing: dummy weights route near uniformly), and the
                       batch's KV (latent + rope per token for MLA)
-    prefill rate      the step's matrix FLOPs (2 x the weights a token uses, k routed experts
-                      and the shared ones, x 8192 tokens, + causal attention's two products) per
-                      second, over a measured 8192^3 bf16 matmul's rate
+    prefill rate      the step's matrix FLOPs (`gpu_suite.prefill_flops`: 2 x the weights a
+                      token uses, k routed experts and the shared ones, x 8192 tokens, + causal
+                      attention's two products, + the LM head for the last token) per second,
+                      over a measured 8192^3 bf16 matmul's rate
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from pathlib import Path
 from gpu_suite import (  # this script's folder is on sys.path when it runs
     ceilings,
     end_child,
-    expert_parameter,
     measure_in_children,
+    prefill_flops,
     prefill_step_s,
     random_requests,
     step_times_until_done,
@@ -41,25 +42,6 @@ from tandem.engine.core import EngineCore
 
 MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b"]
 PROMPT, DECODE_PROMPT, DECODE_TOKENS, BATCHES = 8192, 128, 160, (1, 64)
-
-
-def prefill_flops(core: EngineCore, tokens: int) -> float:
-    """Matrix FLOPs of a causal prompt of `tokens`: weights a token uses (k routed experts of
-    every sparse layer) and attention's scores and values (half the square: causal)."""
-    config, moe = core.model_config, core.model_config.moe
-    per_token = 0.0
-    for name, param in core.executor.model.named_parameters():
-        if param.dim() < 2 or name.endswith("embed_tokens.weight"):
-            continue
-        share = moe.top_k / moe.num_experts if expert_parameter(name) else 1
-        per_token += param.numel() * share
-    if config.mla is not None:
-        qk = config.mla.qk_nope_head_dim + config.mla.qk_rope_head_dim
-        v = config.mla.v_head_dim
-    else:
-        qk = v = config.head_dim
-    attention = config.num_layers * config.num_heads * (qk + v) * tokens * tokens / 2
-    return 2 * (per_token * tokens + attention)
 
 
 def measure(model: str) -> dict:

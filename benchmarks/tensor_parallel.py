@@ -4,12 +4,13 @@
 
 For each configuration (TP=1 with decode CUDA graphs; TP=2 with them, its small all-reduces over
 peer memory; the same with every all-reduce on NCCL; TP=2 eager), in a process of its own so each
-starts on empty GPUs: the wall time of one 8192-token prefill step and of one
-decode step at batch 1 (context 128 to 288), medians after warm-up, the GPU time of rank 0's
-decode graph within the step (CUDA events around its replay; the rest of the step is the host's),
-and the decode step against its roofline: the bytes one rank reads per step (its weight shard
-and its KV heads) over the measured device copy bandwidth. Prints the table, with TP=2 over TP=1
-for both steps.
+starts on empty GPUs: the wall time of one 8192-token prefill step and of one decode step at
+batch 1 (context 128 to 288), medians after warm-up, the GPU time of rank 0's decode graph
+within the step (CUDA events around its replay; the rest of the step is the host's), and each
+step against its ceiling on one rank (BENCHMARKS.md workload 5): the prefill's matrix FLOPs on
+rank 0 (`gpu_suite.prefill_flops`) per second over the measured bf16 matrix rate, and the
+decode step's roofline, the bytes one rank reads per step (its weight shard and its KV heads)
+over the measured device copy bandwidth. Prints the table, with TP=2 over TP=1 for both steps.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from pathlib import Path
 
 import torch
 from gpu_suite import (  # this script's folder is on sys.path when it runs
-    cuda_time,
+    ceilings,
     end_child,
     first_rank,
     measure_in_children,
+    prefill_flops,
     prefill_step_s,
     random_requests,
     step_times_until_done,
@@ -42,12 +44,6 @@ CONFIGS = {
     "tp2-eager": (2, True, False),
 }
 PROMPT = 8192
-
-
-def copy_bandwidth() -> float:
-    source = torch.empty(2 << 30, dtype=torch.uint8, device="cuda:0")
-    dest = torch.empty_like(source)
-    return 2 * source.numel() / cuda_time(lambda: dest.copy_(source), 10)  # bytes/s, read + write
 
 
 def timed_replays(core: EngineCore) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
@@ -69,7 +65,7 @@ def timed_replays(core: EngineCore) -> list[tuple[torch.cuda.Event, torch.cuda.E
 
 def measure(name: str) -> dict:
     size, eager, nccl_only = CONFIGS[name]
-    bandwidth = copy_bandwidth()
+    limits = ceilings(peer_copy=False)  # GPU 1 is rank 1's
     core = EngineCore(
         EngineConfig(
             model="llama-3.1-8b",
@@ -93,10 +89,13 @@ def measure(name: str) -> dict:
     replay_ms = [start.elapsed_time(end) for start, end in replays[10:]]
     # rank 0's reads in a step: its weight shard and its share of the context's KV
     decode_bytes = weight_bytes(core, decode=True) + (128 + 80) * core.kv_spec.bytes_per_token
-    roofline_s = decode_bytes / bandwidth
+    roofline_s = decode_bytes / (limits["copy_GBps"] * 1e9)
+    prefill_tflops = prefill_flops(core, PROMPT) / prefill_s / 1e12  # rank 0's share
     core.shutdown()
     return {
         "prefill_8192_ms": prefill_s * 1e3,
+        "prefill_TFLOPs_per_rank": prefill_tflops,
+        "prefill_fraction_of_matmul": prefill_tflops / limits["matmul_bf16_TFLOPs"],
         "decode_step_b1_ms": decode_s * 1e3,
         "decode_graph_gpu_ms": statistics.median(replay_ms) if replay_ms else None,
         "decode_roofline_ms": roofline_s * 1e3,
@@ -113,12 +112,13 @@ def main() -> None:
     if args.child:
         end_child(measure(args.child))
     results = measure_in_children(__file__, args.configs)
-    print(f"{'config':<10} {'prefill 8192 ms':>16} {'decode b1 ms':>13} {'graph GPU ms':>13} "
-          f"{'roofline frac':>14}")  # fmt: skip
+    print(f"{'config':<10} {'prefill 8192 ms':>16} {'of matmul rate':>15} {'decode b1 ms':>13} "
+          f"{'graph GPU ms':>13} {'roofline frac':>14}")  # fmt: skip
     for name, row in results.items():
         gpu_ms = row["decode_graph_gpu_ms"]
         print(
-            f"{name:<10} {row['prefill_8192_ms']:>16.1f} {row['decode_step_b1_ms']:>13.2f} "
+            f"{name:<10} {row['prefill_8192_ms']:>16.1f} "
+            f"{row['prefill_fraction_of_matmul']:>15.2f} {row['decode_step_b1_ms']:>13.2f} "
             f"{'-' if gpu_ms is None else f'{gpu_ms:.2f}':>13} "
             f"{row['decode_roofline_fraction']:>14.2f}"
         )
