@@ -1,5 +1,6 @@
 """Tensor parallelism on two CUDA GPUs (NCCL): the group's sums (peer memory for small ones,
-NCCL for the rest) equal to the sum of the inputs, eager and in a CUDA graph; greedy output at
+NCCL for the rest) equal to the sum of the inputs, eager and in a CUDA graph; a prompt step
+run sequence-parallel identical to transformers, TP=1 and TP=2 unsplit; greedy output at
 TP=2 identical to transformers and to TP=1, with the decode CUDA graphs (their collectives
 captured) and without, and with every all-reduce on NCCL; and PD from a prefill worker at TP=1
 to a decode worker at TP=2 over tcp, token-identical to a colocated worker, with nothing held
@@ -15,7 +16,12 @@ import torch.multiprocessing as mp
 from pd_fixtures import assert_nothing_held
 from tandem import LLM, SamplingParams
 from tandem.distributed import group
-from tandem.distributed.group import PEER_MEMORY_MAX_BYTES, host_store, join_group
+from tandem.distributed.group import (
+    PEER_MEMORY_MAX_BYTES,
+    SEQUENCE_SPLIT_MIN_TOKENS,
+    host_store,
+    join_group,
+)
 from test_cuda_engine import PROMPTS, greedy_body, hf_greedy
 from worker_fixtures import running_worker
 
@@ -91,6 +97,68 @@ def test_the_groups_sums_equal_the_sum_of_the_inputs():
             expected = expected.bfloat16().float() * 2
         assert torch.equal(torch.from_numpy(chained).bfloat16(), expected.bfloat16())
     del store
+
+
+# Two batches of prompts, each one step over SEQUENCE_SPLIT_MIN_TOKENS with an odd token count;
+# the second step larger than the first (torch's buffers for the split grow between them).
+SPLIT_BATCHES = [(900, 800, 451), (960, 960, 960, 721)]
+SPLIT_ENGINE = {**ENGINE, "max_num_batched_tokens": 4096, "max_model_len": 1024}
+
+
+def split_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(11)
+    return [
+        torch.randint(0, 512, (n,), generator=generator).tolist()
+        for batch in SPLIT_BATCHES
+        for n in batch
+    ]
+
+
+def split_greedy(model: str, results) -> None:
+    """In a process of its own (peer memory, which the split needs, goes to a process's first
+    group): TP=2's greedy output of `split_prompts`, a batch at a time, and the steps it split;
+    or the error."""
+    try:
+        tp2 = LLM(model, **SPLIT_ENGINE, tensor_parallel_size=2)
+        tp = tp2.core.executor.rank.model.tp  # rank 0's model's group
+        splits, split_sequence = [], tp.split_sequence
+
+        def counted_split(num_tokens: int):
+            splits.append(num_tokens)
+            return split_sequence(num_tokens)
+
+        tp.split_sequence = counted_split
+        prompts, got = split_prompts(), []
+        first = len(SPLIT_BATCHES[0])
+        for batch in (prompts[:first], prompts[first:]):
+            got += [list(o.outputs[0].token_ids) for o in tp2.generate(batch, GREEDY)]
+        tp2.core.shutdown()
+        results.put((splits, got))
+    except Exception as exc:
+        results.put((repr(exc), None))
+
+
+@pytest.mark.parametrize("shape", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
+def test_a_prompt_step_split_over_the_ranks_matches_tp1(shape, tiny_checkpoints):
+    """Steps of prompts at TP=2 run sequence-parallel (each rank its slice of the tokens
+    between the layers, an odd count padded): greedy output identical to transformers', TP=1's
+    and TP=2's without the split (every all-reduce on NCCL)."""
+    model, prompts = str(tiny_checkpoints[shape]), split_prompts()
+    assert min(map(sum, SPLIT_BATCHES)) >= SEQUENCE_SPLIT_MIN_TOKENS
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=split_greedy, args=(model, results))
+    child.start()
+    splits, got = results.get(timeout=300)
+    child.join(60)
+    assert splits == [2151, 3601], splits  # else the error
+    expected, hf_model = hf_greedy(model, prompts, torch.float32)
+    del hf_model
+    assert got == expected
+    for settings in ({}, {"tensor_parallel_size": 2, "disable_custom_all_reduce": True}):
+        reference = LLM(model, **SPLIT_ENGINE, **settings)
+        assert [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)] == got
+        reference.core.shutdown()
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])

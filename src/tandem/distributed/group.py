@@ -5,31 +5,34 @@ the parallel layers call (NCCL on CUDA, gloo on the CPU).
     join_group(rank, size, store_address, device)   every rank calls it; returns when all joined
 
 With `expert_parallel` (--enable-expert-parallel) a mixture-of-experts layer places whole
-experts on the ranks instead of splitting every expert (`sharding.py`); the collectives are the
-same.
+experts on the ranks (`sharding.py`); the collectives are the same.
 
-The group is an explicit object handed to the model (no global state): its process group is
-built on a `TCPStore` that rank 0 hosts, not through `torch.distributed.init_process_group`, so
-one process can start (and end) several engines. Collectives block until every rank calls them
-in the same order with the same shapes: every rank runs the same forward on the same batch.
+The group is an explicit object handed to the model (no global state), its process group built
+on a `TCPStore` that rank 0 hosts, so one process can start (and end) several engines. Every rank
+calls the collectives in the same order with the same shapes (the same forward on the same batch).
+A rank that dies makes gloo's pending collective raise at once; NCCL's would wait, so the
+executor's monitor aborts the group (`abort`).
 
-A rank that dies makes gloo's pending collective raise at once ("Connection closed by peer");
-NCCL's would wait, so the executor's monitor aborts the group (`abort`).
-
-On CUDA a sum of at most PEER_MEMORY_MAX_BYTES (a decode step's, one row per sequence) goes
-through `PeerMemoryAllReduce` instead of NCCL: one kernel that reads every rank's copy over
-NVLink (torch's symmetric memory, one-shot), about a third of NCCL's time at these sizes
-(benchmarks/all_reduce.py). `--disable-custom-all-reduce` (vLLM's flag) keeps NCCL for all.
+On CUDA a sum of at most PEER_MEMORY_MAX_BYTES (a decode step's) goes through
+`PeerMemoryAllReduce`: one kernel that reads every rank's copy over NVLink (torch's symmetric
+memory, one-shot), about a third of NCCL's time (benchmarks/all_reduce.py); a step of at least
+SEQUENCE_SPLIT_MIN_TOKENS tokens may run sequence-parallel (`split_sequence`): each rank keeps its
+slice of the tokens between the layers, and the products gather or scatter the rows while they
+multiply (torch's fused symmetric-memory ops). `--disable-custom-all-reduce` (vLLM's flag) keeps
+NCCL for all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 # Sums up to this size read the peers' copies directly; larger ones (a prompt's) go through NCCL,
 # whose ring is faster once the bytes, not the latency, dominate.
 PEER_MEMORY_MAX_BYTES = 1 << 20
+# A step of at least this many tokens may run sequence-parallel.
+SEQUENCE_SPLIT_MIN_TOKENS = 2048
 # Whether this process has set up peer memory for a group already. A second setup in the same
 # process waits forever in torch's rendezvous against freshly started ranks (seen on 2 x H200,
 # torch 2.11: an engine started after another in one process), so a second group stays on NCCL.
@@ -57,6 +62,8 @@ class TensorParallelGroup:
     process_group: dist.ProcessGroup | None = None  # None for size 1
     expert_parallel: bool = False  # experts placed whole on the ranks
     peer_memory: PeerMemoryAllReduce | None = None  # small sums on CUDA, when set up
+    # in a sequence-parallel step: (tokens of the step, rows of each rank's slice); else None
+    sequence_split: tuple[int, int] | None = None
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -76,6 +83,47 @@ class TensorParallelGroup:
             return self.peer_memory(tensor)
         self.process_group.allreduce([tensor]).wait()
         return tensor
+
+    def can_split_sequence(self, num_tokens: int) -> bool:
+        return (
+            self.peer_memory is not None
+            and num_tokens >= SEQUENCE_SPLIT_MIN_TOKENS
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    @contextlib.contextmanager
+    def split_sequence(self, num_tokens: int) -> Iterator[int]:
+        """Within it, the parallel linear layers take and give this rank's slice of the rows
+        (the last slice padded with zero rows); yields the rows of a slice."""
+        rows = -(-num_tokens // self.size)
+        self.sequence_split = (num_tokens, rows)
+        try:
+            yield rows
+        finally:
+            self.sequence_split = None
+
+    def all_gather_matmul(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Every rank's `rows` stacked in rank order, times weight.T (padding rows included)."""
+        _, (product,) = torch.ops.symm_mem.fused_all_gather_matmul(
+            rows, [weight.t()], 0, self.peer_memory.name
+        )
+        return product
+
+    def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """(x @ weight.T) summed over the ranks, this rank's slice of its rows (x: the step's
+        tokens, with or without the padding rows)."""
+        padded = self.sequence_split[1] * self.size
+        if x.shape[0] != padded:
+            x = F.pad(x, (0, 0, 0, padded - x.shape[0]))
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            x, weight.t(), "sum", 0, self.peer_memory.name
+        )
+
+    def all_gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of the step's rows, stacked (the step's tokens only)."""
+        stacked = rows.new_empty(rows.shape[0] * self.size, *rows.shape[1:])
+        self.process_group.allgather([list(stacked.chunk(self.size))], [rows]).wait()
+        return stacked[: self.sequence_split[0]]
 
     def gather_on_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `tensor` ([rows, columns], same shape on all) side by side on rank 0:

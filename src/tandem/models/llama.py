@@ -9,7 +9,10 @@ Parameters keep Hugging Face names except two packed projections, filled by `loa
 Under tensor parallelism (`tp`, see `tandem.distributed.sharding`) each rank holds its query
 and KV heads, its MLP rows and its vocabulary rows: the q/k/v and gate/up projections are
 column-parallel, o_proj and down_proj row-parallel (one all-reduce each per layer), the embedding
-is summed over the ranks and the logits are gathered on rank 0 (None on the others). Each
+is summed over the ranks and the logits are gathered on rank 0 (None on the others). A prompt's
+step on CUDA may run sequence-parallel instead (`TensorParallelGroup.split_sequence`): each rank
+keeps its slice of the tokens between the layers, the products gather and scatter the rows, and
+the final hidden states are gathered back. Each
 parameter's weight loader takes this rank's slice of the checkpoint tensor.
 
 A checkpoint must give every parameter; `load_weights` refuses one that lacks any, or that holds
@@ -22,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.attention.base import AttentionBackend, AttentionMetadata
@@ -89,8 +93,8 @@ class LlamaAttention(nn.Module):
         context: ForwardContext,
     ) -> tuple[torch.Tensor, ...]:
         """With the fused kernels (q,), k and v being in the cache already; else (q, k, v)."""
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        num_tokens = qkv.shape[0]  # the step's (hidden: this rank's slice, when split)
         if self.fused:  # q/k norms, rotary and the K/V store in one kernel
             qk_norm = None
             if self.qk_norm:
@@ -191,6 +195,12 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or TensorParallelGroup.single()
         self.model = self.build_model()
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, fused_ops, self.tp)
+        # a prompt's step may run sequence-parallel (`TensorParallelGroup.split_sequence`) where
+        # every layer is this module's attention and dense MLP
+        self.splits_sequence = all(
+            type(layer.mlp) is LlamaMLP and type(layer.self_attn) is LlamaAttention
+            for layer in self.model.layers
+        )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -265,7 +275,30 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         """after_layer(i) runs once layer i's K/V is in the cache."""
         context = self.forward_context(positions, metadata.slot_mapping)
-        hidden, residual = self.embed(input_ids)
+        num_tokens = input_ids.shape[0]
+        if not (self.splits_sequence and self.tp.can_split_sequence(num_tokens)):
+            hidden, residual = self.embed(input_ids)
+            return self.run_layers(hidden, residual, kv_cache, context, metadata, after_layer)
+        with self.tp.split_sequence(num_tokens) as rows:
+            # between the layers this rank holds its slice of the tokens' residual stream
+            residual = self.model.embed_tokens(input_ids)
+            residual = F.pad(residual, (0, 0, 0, rows * self.tp.size - num_tokens))
+            residual = residual[self.tp.rank * rows : (self.tp.rank + 1) * rows]
+            hidden = self.model.layers[0].input_layernorm(residual)
+            hidden = self.run_layers(hidden, residual, kv_cache, context, metadata, after_layer)
+            return self.tp.all_gather_rows(hidden)
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        kv_cache: torch.Tensor,
+        context: ForwardContext,
+        metadata: AttentionMetadata,
+        after_layer: Callable[[int], None] | None,
+    ) -> torch.Tensor:
+        """Every layer from layer 0's normed input and the residual stream: the final norm's
+        output."""
         for index in range(len(self.model.layers)):
             projected = self.attention_inputs(index, hidden, kv_cache, context)
             attended = self.attention(index, projected, kv_cache, metadata)

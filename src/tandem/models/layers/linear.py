@@ -13,6 +13,10 @@ layer keeps a slice of the input columns and sums its partial output over the ra
                                         ranks: `tandem.distributed.sharding`)
     RowParallelLinear(in, out)          weight [out, in / size]; y = all_reduce(x W_r^T) + b
 
+In a sequence-parallel step (`TensorParallelGroup.split_sequence`) a column-parallel layer takes
+this rank's slice of the rows and gives every row, a row-parallel one takes every row and gives
+this rank's slice of the sums.
+
 At size 1 each is the plain layer (a merged one still packs its projections: one matmul
 instead of several). A checkpoint tensor may be a lazy safetensors slice: only this rank's rows
 or columns are read from it. A shape that does not match raises ValueError naming the expected
@@ -154,6 +158,12 @@ class ColumnParallelLinear(LinearBase):
             param.narrow(0, offset, part.count), narrow(loaded_weight, 0, part.start, part.count)
         )
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.sequence_split is None:
+            return self.matmul(x, self.bias)
+        y = self.tp.all_gather_matmul(x, self.weight)  # x: this rank's slice of the rows
+        return y if self.bias is None else y + self.bias
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several projections of one input (gate/up), each split evenly by rows."""
@@ -196,6 +206,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         shards = [(q_rows, rows(heads)), (kv_rows, rows(self.kv_heads))]
         super().__init__(input_size, [*shards, shards[1]], bias, fused, tp)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = super().forward(x)
+        split = self.tp.sequence_split
+        return qkv if split is None else qkv[: split[0]]  # attention takes the step's tokens
+
 
 class RowParallelLinear(LinearBase):
     """Split by input columns: each rank multiplies its slice of the input (the column-parallel
@@ -226,5 +241,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return self.matmul(x, self.bias)
-        y = self.tp.all_reduce(self.matmul(x, None))
+        if self.tp.sequence_split is None:
+            y = self.tp.all_reduce(self.matmul(x, None))
+        else:  # this rank's slice of the rows
+            y = self.tp.matmul_reduce_scatter(x, self.weight)
         return y if self.bias is None else y + self.bias
