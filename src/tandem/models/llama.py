@@ -12,8 +12,8 @@ column-parallel, o_proj and down_proj row-parallel (one all-reduce each per laye
 is summed over the ranks and the logits are gathered on rank 0 (None on the others). A prompt's
 step on CUDA may run sequence-parallel instead (`TensorParallelGroup.split_sequence`): each rank
 keeps its slice of the tokens between the layers, the products gather and scatter the rows, and
-the final hidden states are gathered back. Each
-parameter's weight loader takes this rank's slice of the checkpoint tensor.
+the final hidden states are gathered back. Each parameter's weight loader takes this rank's
+slice of the checkpoint tensor.
 
 A checkpoint must give every parameter; `load_weights` refuses one that lacks any, or that holds
 a tensor of the wrong shape or with no place in the model.
