@@ -99,8 +99,7 @@ def test_the_groups_sums_equal_the_sum_of_the_inputs():
     del store
 
 
-# Two batches of prompts, each one step over SEQUENCE_SPLIT_MIN_TOKENS with an odd token count;
-# the second step larger than the first (torch's buffers for the split grow between them).
+# Two batches of prompts, each one step over SEQUENCE_SPLIT_MIN_TOKENS with an odd token count.
 SPLIT_BATCHES = [(900, 800, 451), (960, 960, 960, 721)]
 SPLIT_ENGINE = {**ENGINE, "max_num_batched_tokens": 4096, "max_model_len": 1024}
 
