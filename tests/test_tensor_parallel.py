@@ -182,6 +182,23 @@ def test_parallel_layers_equal_the_whole_layers():
     assert torch.equal(results[2][4][2:], torch.zeros(2, hidden))  # the padding rows
 
 
+def test_a_split_steps_rows_are_padded_and_sliced_by_rank():
+    """A sequence-parallel step's rows (`split_sequence`; its products run on CUDA only): 5 rows
+    over 2 ranks are 3 a rank, the last slice padded with a zero row; 4 rows need no padding.
+    Outside the split nothing is left set."""
+    x = torch.arange(10.0).view(5, 2)
+    for rank, expected in ((0, x[:3]), (1, torch.cat([x[3:], torch.zeros(1, 2)]))):
+        tp = TensorParallelGroup(rank, 2)
+        with tp.split_sequence(5):
+            assert torch.equal(tp.own_rows(x), expected)
+            assert torch.equal(tp.padded_rows(x), torch.cat([x, torch.zeros(1, 2)]))
+        assert tp.sequence_split is None
+        even = x[:4]
+        with tp.split_sequence(4):
+            assert tp.padded_rows(even) is even  # no copy
+            assert torch.equal(tp.own_rows(even), x[2 * rank : 2 * rank + 2])
+
+
 def test_qkv_rows_follow_the_heads():
     """6 query heads over 3 ranks, 1 KV head replicated: rank r holds q heads 2r, 2r+1."""
     head_dim, hidden = 2, 4

@@ -92,15 +92,24 @@ class TensorParallelGroup:
         )
 
     @contextlib.contextmanager
-    def split_sequence(self, num_tokens: int) -> Iterator[int]:
+    def split_sequence(self, num_tokens: int) -> Iterator[None]:
         """Within it, the parallel linear layers take and give this rank's slice of the rows
-        (the last slice padded with zero rows); yields the rows of a slice."""
-        rows = -(-num_tokens // self.size)
-        self.sequence_split = (num_tokens, rows)
+        (`own_rows`: the step's rows padded with zero rows to a slice a rank)."""
+        self.sequence_split = (num_tokens, -(-num_tokens // self.size))
         try:
-            yield rows
+            yield
         finally:
             self.sequence_split = None
+
+    def padded_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The step's rows, with or without the padding rows, padded with zero rows."""
+        padded = self.sequence_split[1] * self.size
+        return x if x.shape[0] == padded else F.pad(x, (0, 0, 0, padded - x.shape[0]))
+
+    def own_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the step's rows (padded)."""
+        rows = self.sequence_split[1]
+        return self.padded_rows(x)[self.rank * rows : (self.rank + 1) * rows]
 
     def all_gather_matmul(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Every rank's `rows` stacked in rank order, times weight.T (padding rows included)."""
@@ -112,11 +121,8 @@ class TensorParallelGroup:
     def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """(x @ weight.T) summed over the ranks, this rank's slice of its rows (x: the step's
         tokens, with or without the padding rows)."""
-        padded = self.sequence_split[1] * self.size
-        if x.shape[0] != padded:
-            x = F.pad(x, (0, 0, 0, padded - x.shape[0]))
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(
-            x, weight.t(), "sum", 0, self.peer_memory.name
+            self.padded_rows(x), weight.t(), "sum", 0, self.peer_memory.name
         )
 
     def all_gather_rows(self, rows: torch.Tensor) -> torch.Tensor:

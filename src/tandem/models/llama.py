@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.attention.base import AttentionBackend, AttentionMetadata
@@ -279,11 +278,9 @@ class LlamaForCausalLM(nn.Module):
         if not (self.splits_sequence and self.tp.can_split_sequence(num_tokens)):
             hidden, residual = self.embed(input_ids)
             return self.run_layers(hidden, residual, kv_cache, context, metadata, after_layer)
-        with self.tp.split_sequence(num_tokens) as rows:
+        with self.tp.split_sequence(num_tokens):
             # between the layers this rank holds its slice of the tokens' residual stream
-            residual = self.model.embed_tokens(input_ids)
-            residual = F.pad(residual, (0, 0, 0, rows * self.tp.size - num_tokens))
-            residual = residual[self.tp.rank * rows : (self.tp.rank + 1) * rows]
+            residual = self.tp.own_rows(self.model.embed_tokens(input_ids))
             hidden = self.model.layers[0].input_layernorm(residual)
             hidden = self.run_layers(hidden, residual, kv_cache, context, metadata, after_layer)
             return self.tp.all_gather_rows(hidden)
