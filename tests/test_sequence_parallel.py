@@ -22,7 +22,7 @@ from tandem.models.loader import load_model, resolve_model
 from test_tensor_parallel import run_ranks
 
 BLOCK_SIZE = 8
-STEPS = (37, 27)  # a prompt's two steps; neither divides by 2 and 4 ranks both
+STEPS = (37, 27)  # a prompt's two steps; neither divides by 2 or by 4
 SPLIT_MIN_TOKENS = 16  # the engine's mark is 2048; steps of tiny models this size split here
 CASES = [("llama-gqa", 2), ("llama-gqa", 4), ("qwen2-bias", 2), ("qwen3-qknorm", 4)]
 
