@@ -34,7 +34,7 @@ class GlooSplitGroup(TensorParallelGroup):
     products = 0
 
     def can_split_sequence(self, num_tokens: int) -> bool:
-        return self.size > 1 and num_tokens >= SPLIT_MIN_TOKENS
+        return num_tokens >= SPLIT_MIN_TOKENS
 
     def all_gather_matmul(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         self.products += 1
@@ -46,7 +46,7 @@ class GlooSplitGroup(TensorParallelGroup):
         self.products += 1
         summed = F.linear(self.padded_rows(x), weight)
         self.process_group.allreduce([summed]).wait()
-        return self.own_rows(summed).contiguous()
+        return self.own_rows(summed)
 
 
 def step_metadata(start: int, end: int, block_table: torch.Tensor) -> AttentionMetadata:
