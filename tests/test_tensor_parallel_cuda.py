@@ -2,11 +2,14 @@
 NCCL for the rest) equal to the sum of the inputs, eager and in a CUDA graph; a prompt step
 run sequence-parallel identical to transformers, TP=1 and TP=2 unsplit; greedy output at
 TP=2 identical to transformers and to TP=1, with the decode CUDA graphs (their collectives
-captured) and without, and with every all-reduce on NCCL; and PD from a prefill worker at TP=1
-to a decode worker at TP=2 over tcp, token-identical to a colocated worker, with nothing held
+captured) and without, and with every all-reduce on NCCL; and PD over tcp from a prefill
+worker at TP=1 to a decode worker at TP=2, and from a TP=2 prefill worker whose prompt steps
+split to a TP=1 decode worker, token-identical to a colocated worker, with nothing held
 afterwards. Skipped without two GPUs."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -183,21 +186,65 @@ def test_tp2_on_two_gpus_matches_transformers_and_tp1(shape, eager, tiny_checkpo
     nccl.core.shutdown()
 
 
-def test_pd_from_tp1_prefill_to_tp2_decode_matches_colocated(tmp_path, tiny_checkpoints):
-    """1P(TP=1, GPU 0) + 1D(TP=2, GPUs 0 and 1) over tcp, the legs driven directly: the decode
-    worker's two ranks each install their KV-head range before decoding."""
-    model = str(tiny_checkpoints["llama-gqa"])
-    common = ("--dtype", "float32", "--num-kv-blocks", "2048", "--kv-transport", "tcp")
+def long_context_copy(checkpoint, directory):
+    """The checkpoint with a 4096-token context (its rotary embedding has no learned limit), so
+    that one prompt makes a step long enough to split."""
+    directory.mkdir()
+    for file in checkpoint.iterdir():
+        (directory / file.name).symlink_to(file)
+    (directory / "config.json").unlink()
+    config = json.loads((checkpoint / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=4096)))
+    return directory
+
+
+def long_prompts() -> list[list[int]]:
+    """Two prompts over SEQUENCE_SPLIT_MIN_TOKENS, of odd lengths."""
+    generator = torch.Generator().manual_seed(12)
+    return [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (2101, 2877)]
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp"), [(1, 2), (2, 1)], ids=["tp1-to-tp2", "split-tp2-to-tp1"]
+)
+def test_pd_between_tp_sizes_matches_colocated(prefill_tp, decode_tp, tmp_path, tiny_checkpoints):
+    """1P + 1D over tcp on GPUs 0 and 1, the legs driven directly: each decode rank installs
+    its KV-head range before decoding. From TP=1 to TP=2, the 16 short prompts; from TP=2 to
+    TP=1, prompts of over 2048 tokens, each one step that the prefill worker's ranks run
+    sequence-parallel (its engine process's first group has peer memory; the split's taking is
+    asserted at the engine level above), so the decode reads the KV a split step wrote."""
+    checkpoint, prompts = tiny_checkpoints["llama-gqa"], PROMPTS[:16]
+    common = ["--dtype", "float32", "--num-kv-blocks", "2048", "--kv-transport", "tcp"]
+    if prefill_tp == 2:
+        checkpoint, prompts = long_context_copy(checkpoint, tmp_path / "long"), long_prompts()
+        common += ["--max-model-len", "4096", "--max-num-batched-tokens", "4096"]
+    model = str(checkpoint)
     with (
         running_worker(tmp_path, "--device", "cuda:0", *common, model=model) as both,
         running_worker(
-            tmp_path, "--role", "prefill", "--device", "cuda:0", *common, model=model
+            tmp_path,
+            "--role",
+            "prefill",
+            "--device",
+            "cuda:0",
+            "-tp",
+            str(prefill_tp),
+            *common,
+            model=model,
         ) as prefill,
         running_worker(
-            tmp_path, "--role", "decode", "--device", "cuda:0", "-tp", "2", *common, model=model
+            tmp_path,
+            "--role",
+            "decode",
+            "--device",
+            "cuda:0",
+            "-tp",
+            str(decode_tp),
+            *common,
+            model=model,
         ) as decode,
     ):
-        for prompt in PROMPTS[:16]:
+        for prompt in prompts:
             body = greedy_body(prompt)
             colocated = httpx.post(f"{both.url}/v1/completions", json=body, timeout=60).json()
             first = httpx.post(
@@ -206,7 +253,7 @@ def test_pd_from_tp1_prefill_to_tp2_decode_matches_colocated(tmp_path, tiny_chec
                 timeout=60,
             ).json()
             params = first["kv_transfer_params"]
-            assert params["tp_size"] == 1
+            assert params["tp_size"] == prefill_tp
             answer = httpx.post(
                 f"{decode.url}/v1/completions",
                 json=dict(body, kv_transfer_params=params),
