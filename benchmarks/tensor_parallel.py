@@ -1,16 +1,17 @@
-"""Tensor parallelism on GPUs: the Llama-3.1-8B shape (dummy weights, bf16) at TP=1 and TP=2.
+"""Tensor parallelism on GPUs: the Llama-3.1-8B shape (dummy weights, bf16) at TP=1, 2 and 4.
 
-    python benchmarks/tensor_parallel.py --out tp.json [--configs tp1 tp2 tp2-nccl tp2-eager]
+    python benchmarks/tensor_parallel.py --out tp.json [--configs tp1 tp2 tp2-nccl tp2-eager tp4]
 
 For each configuration (TP=1 with decode CUDA graphs; TP=2 with them, its small all-reduces over
-peer memory; the same with every all-reduce on NCCL; TP=2 eager), in a process of its own so each
-starts on empty GPUs: the wall time of one 8192-token prefill step and of one decode step at
-batch 1 (context 128 to 288), medians after warm-up, the GPU time of rank 0's decode graph
-within the step (CUDA events around its replay; the rest of the step is the host's), and each
-step against its ceiling on one rank (BENCHMARKS.md workload 5): the prefill's matrix FLOPs on
-rank 0 (`gpu_suite.prefill_flops`) per second over the measured bf16 matrix rate, and the
-decode step's roofline, the bytes one rank reads per step (its weight shard and its KV heads)
-over the measured device copy bandwidth. Prints the table, with TP=2 over TP=1 for both steps.
+peer memory; the same with every all-reduce on NCCL; TP=2 eager; TP=4 as TP=2, on four GPUs),
+in a process of its own so each starts on empty GPUs: the wall time of one 8192-token prefill
+step and of one decode step at batch 1 (context 128 to 288), medians after warm-up, the GPU time
+of rank 0's decode graph within the step (CUDA events around its replay; the rest of the step is
+the host's), and each step against its ceiling on one rank (BENCHMARKS.md workload 5): the
+prefill's matrix FLOPs on rank 0 (`gpu_suite.prefill_flops`) per second over the measured bf16
+matrix rate, and the decode step's roofline, the bytes one rank reads per step (its weight shard
+and its KV heads) over the measured device copy bandwidth. Prints the table, with TP=N over TP=1
+for both steps.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ CONFIGS = {
     "tp2": (2, False, False),
     "tp2-nccl": (2, False, True),
     "tp2-eager": (2, True, False),
+    "tp4": (4, False, False),
 }
 PROMPT = 8192
 
@@ -123,7 +125,7 @@ def main() -> None:
             f"{row['decode_roofline_fraction']:>14.2f}"
         )
     if "tp1" in results:
-        for name in ("tp2", "tp2-nccl", "tp2-eager"):
+        for name in ("tp2", "tp2-nccl", "tp2-eager", "tp4"):
             if name in results:
                 prefill = results[name]["prefill_8192_ms"] / results["tp1"]["prefill_8192_ms"]
                 decode = results[name]["decode_step_b1_ms"] / results["tp1"]["decode_step_b1_ms"]

@@ -2,10 +2,10 @@
 NCCL for the rest) equal to the sum of the inputs, eager and in a CUDA graph; a prompt step
 run sequence-parallel identical to transformers, TP=1 and TP=2 unsplit; greedy output at
 TP=2 identical to transformers and to TP=1, with the decode CUDA graphs (their collectives
-captured) and without, and with every all-reduce on NCCL; and PD over tcp from a prefill
-worker at TP=1 to a decode worker at TP=2, and from a TP=2 prefill worker whose prompt steps
-split to a TP=1 decode worker, token-identical to a colocated worker, with nothing held
-afterwards. Skipped without two GPUs."""
+captured) and without, and with every all-reduce on NCCL (these two at TP=4 too, given four
+GPUs); and PD over tcp from a prefill worker at TP=1 to a decode worker at TP=2, and from a
+TP=2 prefill worker whose prompt steps split to a TP=1 decode worker, token-identical to a
+colocated worker, with nothing held afterwards. Skipped without two GPUs."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 ENGINE = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 2048}
 HIDDEN = 4096
+FOUR_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
 # rows of bf16 sums: a decode step's (peer memory) and a prompt's (over PEER_MEMORY_MAX_BYTES: NCCL)
 SUM_ROWS = [1, 64, 1024]
 
@@ -116,13 +117,13 @@ def split_prompts() -> list[list[int]]:
     ]
 
 
-def split_greedy(model: str, results) -> None:
+def split_greedy(model: str, size: int, results) -> None:
     """In a process of its own (peer memory, which the split needs, goes to a process's first
-    group): TP=2's greedy output of `split_prompts`, a batch at a time, and the steps it split;
-    or the error."""
+    group): TP=size's greedy output of `split_prompts`, a batch at a time, and the steps it
+    split; or the error."""
     try:
-        tp2 = LLM(model, **SPLIT_ENGINE, tensor_parallel_size=2)
-        tp = tp2.core.executor.rank.model.tp  # rank 0's model's group
+        tpn = LLM(model, **SPLIT_ENGINE, tensor_parallel_size=size)
+        tp = tpn.core.executor.rank.model.tp  # rank 0's model's group
         splits, split_sequence = [], tp.split_sequence
 
         def counted_split(num_tokens: int):
@@ -133,23 +134,32 @@ def split_greedy(model: str, results) -> None:
         prompts, got = split_prompts(), []
         first = len(SPLIT_BATCHES[0])
         for batch in (prompts[:first], prompts[first:]):
-            got += [list(o.outputs[0].token_ids) for o in tp2.generate(batch, GREEDY)]
-        tp2.core.shutdown()
+            got += [list(o.outputs[0].token_ids) for o in tpn.generate(batch, GREEDY)]
+        tpn.core.shutdown()
         results.put((splits, got))
     except Exception as exc:
         results.put((repr(exc), None))
 
 
-@pytest.mark.parametrize("shape", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
-def test_a_prompt_step_split_over_the_ranks_matches_tp1(shape, tiny_checkpoints):
-    """Steps of prompts at TP=2 run sequence-parallel (each rank its slice of the tokens
+@pytest.mark.parametrize(
+    ("shape", "size"),
+    [
+        ("llama-gqa", 2),
+        ("qwen2-bias", 2),
+        ("qwen3-qknorm", 2),
+        pytest.param("llama-gqa", 4, marks=FOUR_GPUS),
+        pytest.param("qwen3-qknorm", 4, marks=FOUR_GPUS),
+    ],
+)
+def test_a_prompt_step_split_over_the_ranks_matches_tp1(shape, size, tiny_checkpoints):
+    """Steps of prompts at TP=size run sequence-parallel (each rank its slice of the tokens
     between the layers, an odd count padded): greedy output identical to transformers', TP=1's
-    and TP=2's without the split (every all-reduce on NCCL)."""
+    and TP=size's without the split (every all-reduce on NCCL). At 4, KV heads are replicated."""
     model, prompts = str(tiny_checkpoints[shape]), split_prompts()
     assert min(map(sum, SPLIT_BATCHES)) >= SEQUENCE_SPLIT_MIN_TOKENS
     context = mp.get_context("spawn")
     results = context.Queue()
-    child = context.Process(target=split_greedy, args=(model, results))
+    child = context.Process(target=split_greedy, args=(model, size, results))
     child.start()
     splits, got = results.get(timeout=300)
     child.join(60)
@@ -157,7 +167,7 @@ def test_a_prompt_step_split_over_the_ranks_matches_tp1(shape, tiny_checkpoints)
     expected, hf_model = hf_greedy(model, prompts, torch.float32)
     del hf_model
     assert got == expected
-    for settings in ({}, {"tensor_parallel_size": 2, "disable_custom_all_reduce": True}):
+    for settings in ({}, {"tensor_parallel_size": size, "disable_custom_all_reduce": True}):
         reference = LLM(model, **SPLIT_ENGINE, **settings)
         assert [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)] == got
         reference.core.shutdown()
@@ -165,22 +175,23 @@ def test_a_prompt_step_split_over_the_ranks_matches_tp1(shape, tiny_checkpoints)
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("shape", ["llama-gqa", "qwen3-qknorm"])
-def test_tp2_on_two_gpus_matches_transformers_and_tp1(shape, eager, tiny_checkpoints):
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=FOUR_GPUS)])
+def test_tp_on_gpus_matches_transformers_and_tp1(size, shape, eager, tiny_checkpoints):
     model = str(tiny_checkpoints[shape])
     prompts = PROMPTS[:16]
     expected, hf_model = hf_greedy(model, prompts, torch.float32)
     del hf_model
     first_group = not group._peer_memory_set_up  # peer memory in a process's first group only
-    tp2 = LLM(model, **ENGINE, tensor_parallel_size=2, enforce_eager=eager)
-    assert (tp2.core.executor.rank.runner.decode_graphs is None) == eager
-    assert (tp2.core.executor.tp.peer_memory is not None) == first_group
-    got = [o.outputs[0].token_ids for o in tp2.generate(prompts, GREEDY)]
-    tp2.core.shutdown()
+    tpn = LLM(model, **ENGINE, tensor_parallel_size=size, enforce_eager=eager)
+    assert (tpn.core.executor.rank.runner.decode_graphs is None) == eager
+    assert (tpn.core.executor.tp.peer_memory is not None) == first_group
+    got = [o.outputs[0].token_ids for o in tpn.generate(prompts, GREEDY)]
+    tpn.core.shutdown()
     assert got == expected
     tp1 = LLM(model, **ENGINE)
     assert [o.outputs[0].token_ids for o in tp1.generate(prompts, GREEDY)] == got
     tp1.core.shutdown()
-    nccl = LLM(model, **ENGINE, tensor_parallel_size=2, disable_custom_all_reduce=True)
+    nccl = LLM(model, **ENGINE, tensor_parallel_size=size, disable_custom_all_reduce=True)
     assert nccl.core.executor.tp.peer_memory is None
     assert [o.outputs[0].token_ids for o in nccl.generate(prompts, GREEDY)] == got
     nccl.core.shutdown()
