@@ -124,12 +124,12 @@ def main() -> None:
             f"{'-' if gpu_ms is None else f'{gpu_ms:.2f}':>13} "
             f"{row['decode_roofline_fraction']:>14.2f}"
         )
-    if "tp1" in results:
-        for name in ("tp2", "tp2-nccl", "tp2-eager", "tp4"):
-            if name in results:
-                prefill = results[name]["prefill_8192_ms"] / results["tp1"]["prefill_8192_ms"]
-                decode = results[name]["decode_step_b1_ms"] / results["tp1"]["decode_step_b1_ms"]
-                print(f"{name} / tp1: prefill {prefill:.2f}x, decode step {decode:.2f}x")
+    tp1 = results.get("tp1")
+    for name, row in results.items():
+        if tp1 and name != "tp1":
+            prefill = row["prefill_8192_ms"] / tp1["prefill_8192_ms"]
+            decode = row["decode_step_b1_ms"] / tp1["decode_step_b1_ms"]
+            print(f"{name} / tp1: prefill {prefill:.2f}x, decode step {decode:.2f}x")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

@@ -202,8 +202,8 @@ def long_context_copy(checkpoint, directory):
     that one prompt makes a step long enough to split."""
     directory.mkdir()
     for file in checkpoint.iterdir():
-        (directory / file.name).symlink_to(file)
-    (directory / "config.json").unlink()
+        if file.name != "config.json":
+            (directory / file.name).symlink_to(file)
     config = json.loads((checkpoint / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=4096)))
     return directory
