@@ -10,6 +10,8 @@
   prompts (chunked prefill, prefix-cache hits), seeded and unseeded sampling and logprobs
   identical to TP=1; a GGUF model through the per-rank cache; the HTTP worker
   (`tandem worker --tensor-parallel-size 2`) identical to TP=1 over the OpenAI API.
+* Rank 0 takes each rank's replies stage by stage, a fast rank's reply to a later stage kept
+  for it (a rank on NCCL alone loads its shard before a slow one has started).
 * Failures: a rank that dies ends the engine with a sentence naming it, and the worker exits;
   shutdown leaves no rank process behind.
 """
@@ -29,6 +31,7 @@ import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
+import zmq
 
 from tandem import LLM, SamplingParams
 from tandem.attention.base import get_backend
@@ -38,7 +41,8 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore, FatalEngineError
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput
 from tandem.executor.base import ExecutorFailedError
-from tandem.executor.rank import MESSAGE_DECODER, BlockTables, for_other_ranks
+from tandem.executor.multiproc import RankReplies
+from tandem.executor.rank import MESSAGE_DECODER, BlockTables, RankReply, for_other_ranks
 from tandem.models.config import ModelConfig
 from tandem.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -438,6 +442,32 @@ def test_an_engine_dropped_without_shutdown_tells_its_ranks_to_stop(tiny_checkpo
     del llm
     gc.collect()
     assert [process.returncode for process in processes] == [0]
+
+
+def test_a_stage_takes_each_ranks_own_reply_when_one_rank_runs_ahead():
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.bind("inproc://replies")
+    ranks = {rank: context.socket(zmq.PUSH) for rank in (1, 2)}
+    for socket in ranks.values():
+        socket.connect("inproc://replies")
+
+    def say(rank: int, **fields) -> None:
+        ranks[rank].send(msgspec.msgpack.encode(RankReply(rank, **fields)))
+
+    replies = RankReplies(inbox, 3)
+    say(1)  # rank 1 started
+    say(1, num_blocks=1)  # and loaded (a stand-in mark for its second reply)
+    say(2)  # rank 2 only started
+    started = replies.next_from_each("start", lambda: None)
+    assert [(r.rank, r.num_blocks) for r in started] == [(1, 0), (2, 0)]
+    say(2, num_blocks=1)
+    loaded = replies.next_from_each("load", lambda: None)
+    assert [(r.rank, r.num_blocks) for r in loaded] == [(1, 1), (2, 1)]
+    say(2, error="out of memory")  # before rank 1 answers: raises at once
+    with pytest.raises(RuntimeError, match="rank 2 could not size its KV cache: out of memory"):
+        replies.next_from_each("size its KV cache", lambda: None)
+    context.destroy(linger=0)
 
 
 def test_a_rank_that_dies_ends_the_engine(tiny_checkpoints):

@@ -78,9 +78,10 @@ class MultiprocExecutor(Executor):
         self.block_tables = BlockTables()  # what the other ranks hold of each block table
         self.directory = tempfile.mkdtemp(prefix="tandem-tp-")
         self.context = zmq.Context()
-        self.replies = self.context.socket(zmq.PULL)
+        replies = self.context.socket(zmq.PULL)
         reply_address = f"ipc://{self.directory}/replies"
-        self.replies.bind(reply_address)
+        replies.bind(reply_address)
+        self.replies = RankReplies(replies, size)
         self.inputs: list[zmq.Socket] = []
         self.processes: list[subprocess.Popen] = []
         store, address = host_store(size)
@@ -167,18 +168,32 @@ class MultiprocExecutor(Executor):
     def _wait_replies(self, what: str) -> list[RankReply]:
         """Every other rank's reply to the stage `what`; a rank's error, or a rank's death,
         raises."""
-        replies: dict[int, RankReply] = {}
-        while len(replies) < self.size - 1:
-            self.check_health()
-            if not self.replies.poll(REPLY_POLL_MS):
+        return self.replies.next_from_each(what, self.check_health)
+
+
+class RankReplies:
+    """The other ranks' replies on rank 0's socket. Each rank answers the stages in order, one
+    reply a stage, but not in step with the others: a rank whose group needs no collective to
+    join (NCCL without peer memory) loads its shard and says so while a slower rank has not yet
+    said it started. So a stage takes each rank's oldest reply not yet taken, and keeps the
+    ones that came early for the next."""
+
+    def __init__(self, socket: zmq.Socket, size: int) -> None:
+        self.socket = socket
+        self.unread: dict[int, list[RankReply]] = {rank: [] for rank in range(1, size)}
+
+    def next_from_each(self, what: str, check_health) -> list[RankReply]:
+        while not all(self.unread.values()):
+            check_health()
+            if not self.socket.poll(REPLY_POLL_MS):
                 continue
-            reply = REPLY_DECODER.decode(self.replies.recv())
+            reply = REPLY_DECODER.decode(self.socket.recv())
             if reply.error is not None:
                 raise RuntimeError(
                     f"tensor-parallel rank {reply.rank} could not {what}: {reply.error}"
                 )
-            replies[reply.rank] = reply
-        return list(replies.values())
+            self.unread[reply.rank].append(reply)
+        return [replies.pop(0) for replies in self.unread.values()]
 
 
 def start_rank(arguments: tuple) -> subprocess.Popen:
