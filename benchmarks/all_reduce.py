@@ -9,6 +9,11 @@ rank 0's line first. The one-shot all-reduce reads every peer's buffer over NVLi
 multicast), from a buffer both ranks allocate with `symm_mem.empty` and join with
 `symm_mem.rendezvous`.
 
+The decode layer's sum with the residual add and RMSNorm after it: the engine's one-shot
+all-reduce then its add-and-norm kernel, against the fused kernel that does all three
+(`tandem.distributed.fused_all_reduce`), each captured 64 times in a CUDA graph (each call's
+output the next one's input), after a check that both give the same bits.
+
 Large ones (a prompt's hidden states, up to 8192 x 4096): NCCL against the two-shot all-reduce
 (each rank sums its half of every rank's buffer, then reads the other half's sum from its peer),
 alone and with the copies into and out of its buffer that a model's tensors would need; eager,
@@ -26,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SHAPES = [(1, 4096), (8, 4096), (32, 4096), (64, 4096), (64, 1024)]
+FUSED_SHAPES = [(1, 4096), (8, 4096), (32, 4096), (64, 4096), (128, 4096), (64, 1024)]
 PROMPT_SHAPES = [(1024, 4096), (4096, 4096), (8192, 4096)]
 CALLS_PER_GRAPH, REPLAYS = 64, 50
 PROMPT_CALLS = 20
@@ -84,6 +90,51 @@ def time_shape(rows: int, hidden: int, group: str) -> dict[str, float]:
             "one_shot_us": graph_us(one_shot_calls)}  # fmt: skip
 
 
+def time_fused_shape(rows: int, hidden: int, fused, summed) -> dict[str, float]:
+    from tandem.models.triton_ops import add_rms_norm
+
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(rows, hidden, generator=generator).to(device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(7))
+    residual = residual.to(device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16)
+
+    def unfused(y: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        return add_rms_norm(summed(y), stream, weight, 1e-5)
+
+    def fused_step(y: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        return fused(y, stream, weight, 1e-5)
+
+    def chain(step) -> None:
+        y, stream = x, residual.clone()
+        for _ in range(CALLS_PER_GRAPH):
+            y = step(y, stream)
+
+    stream_a, stream_b = residual.clone(), residual.clone()
+    out_a, out_b = unfused(x, stream_a), fused_step(x, stream_b)
+    same = torch.equal(out_a, out_b) and torch.equal(stream_a, stream_b)
+    return {"same_bits": same, "unfused_us": graph_us(lambda: chain(unfused)),
+            "fused_us": graph_us(lambda: chain(fused_step))}  # fmt: skip
+
+
+def time_fused(group: str) -> dict[str, dict[str, float]]:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from tandem.distributed.fused_all_reduce import AllReduceAddRMSNorm
+    from tandem.distributed.group import PEER_MEMORY_MAX_BYTES, PeerMemoryAllReduce
+
+    rank, size, device = dist.get_rank(), dist.get_world_size(), torch.device("cuda")
+    buffer = symm_mem.empty(PEER_MEMORY_MAX_BYTES // 2, dtype=torch.bfloat16, device=device)
+    summed = PeerMemoryAllReduce(group, dist.group.WORLD, buffer)
+    fused_buffer = AllReduceAddRMSNorm.allocate(size, PEER_MEMORY_MAX_BYTES, device)
+    fused = AllReduceAddRMSNorm(group, rank, size, torch.bfloat16, fused_buffer)
+    return {
+        f"{rows}x{hidden}": time_fused_shape(rows, hidden, fused, summed)
+        for rows, hidden in FUSED_SHAPES
+    }
+
+
 def eager_ms(fn) -> float:
     """Milliseconds per call of fn, PROMPT_CALLS calls after 3, on the GPU's clock."""
     for _ in range(3):
@@ -135,7 +186,8 @@ def rank_main(rank: int, size: int, port: int, results) -> None:
     prompts = {
         f"{rows}x{hidden}": time_prompt_shape(rows, hidden, group) for rows, hidden in PROMPT_SHAPES
     }
-    results.put((rank, {"decode": timed, "prompt": prompts}))
+    fused = time_fused(group)
+    results.put((rank, {"decode": timed, "prompt": prompts, "fused": fused}))
     dist.destroy_process_group()
 
 
@@ -156,6 +208,14 @@ def main() -> None:
         first, second = by_rank[0]["decode"][shape], by_rank[1]["decode"][shape]
         print(f"| {shape} | {first['nccl_us']:.1f} / {second['nccl_us']:.1f} | "
               f"{first['one_shot_us']:.1f} / {second['one_shot_us']:.1f} |")  # fmt: skip
+    print("\nthe sum with the residual add and RMSNorm, us per call (rank 0 / rank 1)")
+    print("| rows x hidden | one-shot, then add and norm | fused | same bits |")
+    print("| --- | --- | --- | --- |")
+    for shape in by_rank[0]["fused"]:
+        first, second = by_rank[0]["fused"][shape], by_rank[1]["fused"][shape]
+        print(f"| {shape} | {first['unfused_us']:.1f} / {second['unfused_us']:.1f} | "
+              f"{first['fused_us']:.1f} / {second['fused_us']:.1f} | "
+              f"{first['same_bits'] and second['same_bits']} |")  # fmt: skip
     print("\nprompt sizes, eager, ms per all-reduce (rank 0 / rank 1)")
     print("| rows x hidden | NCCL | two-shot | two-shot with copies in and out |")
     print("| --- | --- | --- | --- |")

@@ -1,5 +1,7 @@
 """Tensor parallelism on two CUDA GPUs (NCCL): the group's sums (peer memory for small ones,
-NCCL for the rest) equal to the sum of the inputs, eager and in a CUDA graph; a prompt step
+NCCL for the rest) equal to the sum of the inputs, eager and in a CUDA graph; the sum fused with
+the residual add and RMSNorm equal to the sum of the inputs then the add-and-norm kernel, at 2
+and 4 ranks, for every row count it takes, eager and in a CUDA graph; a prompt step
 run sequence-parallel identical to transformers, TP=1 and TP=2 unsplit; greedy output at
 TP=2 identical to transformers and to TP=1, with the decode CUDA graphs (their collectives
 captured) and without, and with every all-reduce on NCCL (these two at TP=4 too, given four
@@ -103,6 +105,100 @@ def test_the_groups_sums_equal_the_sum_of_the_inputs():
     del store
 
 
+# rows of the fused sum, add and norm: odd and even, over and under its 32 programs, 1 MiB last
+FUSED_ROWS = [1, 3, 32, 33, 1, 64, 2, 128]
+FUSED_GRAPH_REPLAYS = 4
+EPS = 1e-5
+
+
+def fused_inputs(rank: int, call: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s partial sums for call `call`, and the residual stream (the same on every
+    rank)."""
+    partial = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rank * 97 + call))
+    residual = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(5000 + call))
+    return partial.to(torch.bfloat16), residual.to(torch.bfloat16)
+
+
+def fused_sums(rank: int, size: int, address, results) -> None:
+    """On GPU `rank` of `size`: each FUSED_ROWS call's (out, residual) and what the add-and-norm
+    kernel makes of the inputs' sum (gathered, summed in fp32 in rank order); then the same for
+    one call captured in a CUDA graph and replayed on new inputs, an eager call between
+    replays. Or the error."""
+    try:
+        results.put((rank, rank_fused_sums(rank, size, address)))
+    except Exception as exc:
+        results.put((rank, repr(exc)))
+
+
+def rank_fused_sums(rank: int, size: int, address) -> list:
+    from tandem.models.triton_ops import add_rms_norm
+
+    torch.cuda.set_device(rank)
+    tp = join_group(rank, size, address, torch.device("cuda", rank), None, torch.bfloat16)
+    weight = torch.rand(HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16().cuda()
+    calls = []
+
+    def checked(call: int, partial: torch.Tensor, residual: torch.Tensor, out: torch.Tensor):
+        gathered = [torch.empty_like(partial) for _ in range(size)]
+        tp.process_group.allgather([gathered], [partial]).wait()
+        summed = torch.stack(gathered).float().sum(0).bfloat16()
+        expected_residual = fused_inputs(rank, call, partial.shape[0])[1].cuda()
+        expected = add_rms_norm(summed, expected_residual, weight, EPS)
+        calls.append([t.float().cpu().numpy() for t in (out, residual, expected)])
+
+    for call, rows in enumerate(FUSED_ROWS):
+        partial, residual = (t.cuda() for t in fused_inputs(rank, call, rows))
+        assert tp.fuses_add_rms_norm(partial)
+        checked(call, partial, residual, tp.all_reduce_add_rms_norm(partial, residual, weight, EPS))
+    assert not tp.fuses_add_rms_norm(torch.empty(129, HIDDEN, dtype=torch.bfloat16, device="cuda"))
+    partial, residual = (t.cuda() for t in fused_inputs(rank, 0, 1))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture
+        tp.all_reduce_add_rms_norm(partial, residual, weight, EPS)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tp.all_reduce_add_rms_norm(partial, residual, weight, EPS)
+    for replay in range(FUSED_GRAPH_REPLAYS):
+        call = len(FUSED_ROWS) + replay
+        for static, new in zip((partial, residual), fused_inputs(rank, call, 1), strict=True):
+            static.copy_(new)
+        graph.replay()
+        checked(call, partial, residual, out)
+        between = [t.cuda() for t in fused_inputs(rank, 0, 8)]
+        tp.all_reduce_add_rms_norm(*between, weight, EPS)
+    torch.cuda.synchronize()
+    return calls
+
+
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=FOUR_GPUS)])
+def test_the_sum_fused_with_add_and_norm_equals_the_sum_then_the_norm(size):
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    store, address = host_store(size)
+    ranks = [
+        context.Process(target=fused_sums, args=(r, size, address, results)) for r in range(size)
+    ]
+    for process in ranks:
+        process.start()
+    by_rank = dict(results.get(timeout=180) for _ in ranks)
+    for process in ranks:
+        process.join(60)
+    rows = FUSED_ROWS + [1] * FUSED_GRAPH_REPLAYS
+    for rank, calls in by_rank.items():
+        assert isinstance(calls, list), calls  # else the error
+        assert len(calls) == len(rows)
+        for call, (out, residual, expected) in enumerate(calls):
+            partials = [fused_inputs(r, call, rows[call])[0].float() for r in range(size)]
+            summed = torch.stack(partials).sum(0).bfloat16().float()
+            stream = (summed + fused_inputs(rank, call, rows[call])[1].float()).bfloat16()
+            assert torch.equal(torch.from_numpy(residual).bfloat16(), stream), (rank, call)
+            assert (out == expected).all(), (rank, call)  # the same bits as sum, then norm
+            assert (out == by_rank[0][call][0]).all(), (rank, call)  # and on every rank
+    del store
+
+
 # Two batches of prompts, each one step over SEQUENCE_SPLIT_MIN_TOKENS with an odd token count.
 SPLIT_BATCHES = [(900, 800, 451), (960, 960, 960, 721)]
 SPLIT_ENGINE = {**ENGINE, "max_num_batched_tokens": 4096, "max_model_len": 1024}
@@ -185,6 +281,7 @@ def test_tp_on_gpus_matches_transformers_and_tp1(size, shape, eager, tiny_checkp
     tpn = LLM(model, **ENGINE, tensor_parallel_size=size, enforce_eager=eager)
     assert (tpn.core.executor.rank.runner.decode_graphs is None) == eager
     assert (tpn.core.executor.tp.peer_memory is not None) == first_group
+    assert (tpn.core.executor.tp.sum_add_norm is not None) == first_group
     got = [o.outputs[0].token_ids for o in tpn.generate(prompts, GREEDY)]
     tpn.core.shutdown()
     assert got == expected

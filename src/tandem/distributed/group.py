@@ -15,7 +15,9 @@ executor's monitor aborts the group (`abort`).
 
 On CUDA a sum of at most PEER_MEMORY_MAX_BYTES (a decode step's) goes through
 `PeerMemoryAllReduce`: one kernel that reads every rank's copy over NVLink (torch's symmetric
-memory, one-shot), about a third of NCCL's time (benchmarks/all_reduce.py); a step of at least
+memory, one-shot), about a third of NCCL's time (benchmarks/all_reduce.py); where a residual add
+and RMSNorm follow the sum (a decoder layer's projections), `all_reduce_add_rms_norm` does all
+three in one kernel of ours (`fused_all_reduce.py`) on a buffer of its own; a step of at least
 SEQUENCE_SPLIT_MIN_TOKENS tokens may run sequence-parallel (`split_sequence`): each rank keeps its
 slice of the tokens between the layers, and the products gather or scatter the rows while they
 multiply (torch's fused symmetric-memory ops). `--disable-custom-all-reduce` (vLLM's flag) keeps
@@ -29,10 +31,14 @@ import datetime
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # its kernel needs Triton, which CUDA alone brings
+    from tandem.distributed.fused_all_reduce import AllReduceAddRMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,8 @@ class TensorParallelGroup:
     process_group: dist.ProcessGroup | None = None  # None for size 1
     expert_parallel: bool = False  # experts placed whole on the ranks
     peer_memory: PeerMemoryAllReduce | None = None  # small sums on CUDA, when set up
+    # small sums with the residual add and RMSNorm after them, set up with peer_memory
+    sum_add_norm: AllReduceAddRMSNorm | None = None
     # in a sequence-parallel step: (tokens of the step, rows of each rank's slice); else None
     sequence_split: tuple[int, int] | None = None
 
@@ -83,6 +91,21 @@ class TensorParallelGroup:
             return self.peer_memory(tensor)
         self.process_group.allreduce([tensor]).wait()
         return tensor
+
+    def fuses_add_rms_norm(self, x: torch.Tensor) -> bool:
+        """Whether `all_reduce_add_rms_norm` takes this rank's partial sums x in one kernel."""
+        return (
+            self.sum_add_norm is not None
+            and self.sequence_split is None
+            and self.sum_add_norm.takes(x)
+        )
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += the sum of x over the ranks (in place); returns weight * rms_norm(residual),
+        in one kernel (where `fuses_add_rms_norm(x)`)."""
+        return self.sum_add_norm(x, residual, weight, eps)
 
     def can_split_sequence(self, num_tokens: int) -> bool:
         return (
@@ -197,7 +220,7 @@ def set_up_peer_memory(
     global _peer_memory_set_up
     devices = [device.index - tp.rank + rank for rank in range(tp.size)]
     with torch.cuda.device(device):
-        ready, group, buffer = True, None, None
+        ready, group, buffer, fused_buffer = True, None, None, None
         if _peer_memory_set_up:
             logger.info("tensor parallelism: peer memory is set up once per process, NCCL here")
             ready = False
@@ -210,9 +233,12 @@ def set_up_peer_memory(
             try:
                 import torch.distributed._symmetric_memory as symm_mem
 
+                from tandem.distributed.fused_all_reduce import AllReduceAddRMSNorm
+
                 group = register_by_name(name, tp, dist.PrefixStore("peer-memory", store))
                 numel = PEER_MEMORY_MAX_BYTES // dtype.itemsize
                 buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+                fused_buffer = AllReduceAddRMSNorm.allocate(tp.size, PEER_MEMORY_MAX_BYTES, device)
             except (RuntimeError, ImportError) as exc:
                 logger.warning("tensor parallelism: all-reduces on NCCL (peer memory: %s)", exc)
                 ready = False
@@ -223,6 +249,7 @@ def set_up_peer_memory(
         if agreed.item():
             _peer_memory_set_up = True
             tp.peer_memory = PeerMemoryAllReduce(name, group, buffer)
+            tp.sum_add_norm = AllReduceAddRMSNorm(name, tp.rank, tp.size, dtype, fused_buffer)
 
 
 def register_by_name(name: str, tp: TensorParallelGroup, store: dist.Store) -> dist.ProcessGroup:

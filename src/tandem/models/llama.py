@@ -126,6 +126,14 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm.add_forward(self(x), residual), the down projection's sum fused into the norm
+        where it can be (`RowParallelLinear.forward_add_norm`)."""
+        activated = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj.forward_add_norm(activated, residual, norm)
+
 
 class LlamaDecoderLayer(nn.Module):
     """mlp: [T, hidden] -> [T, hidden], summed over the ranks (LlamaMLP, or a model's experts)."""
@@ -256,12 +264,14 @@ class LlamaForCausalLM(nn.Module):
         layer's normed input, or the final norm's output after the last layer; the residual)."""
         layers = self.model.layers
         layer = layers[index]
-        attn_out = layer.self_attn.o_proj(attended)
-        hidden, residual = layer.post_attention_layernorm.add_forward(attn_out, residual)
-        mlp_out = layer.mlp(hidden)
+        hidden, residual = layer.self_attn.o_proj.forward_add_norm(
+            attended, residual, layer.post_attention_layernorm
+        )
         is_last = index + 1 == len(layers)
         next_norm = self.model.norm if is_last else layers[index + 1].input_layernorm
-        return next_norm.add_forward(mlp_out, residual)
+        if isinstance(layer.mlp, LlamaMLP):
+            return layer.mlp.forward_add_norm(hidden, residual, next_norm)
+        return next_norm.add_forward(layer.mlp(hidden), residual)
 
     @torch.inference_mode()
     def forward(

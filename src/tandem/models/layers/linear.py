@@ -37,6 +37,7 @@ from torch import nn
 from tandem.distributed.group import TensorParallelGroup
 from tandem.distributed.sharding import HeadRange, even_part, kv_head_range
 from tandem.models.layers import triton_ops
+from tandem.models.layers.norm import RMSNorm
 
 # A checkpoint tensor: a tensor, or a safetensors slice that reads what it is indexed with.
 CheckpointTensor = Any
@@ -246,3 +247,16 @@ class RowParallelLinear(LinearBase):
         else:  # this rank's slice of the rows
             y = self.tp.matmul_reduce_scatter(x, self.weight)
         return y if self.bias is None else y + self.bias
+
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm.add_forward(self(x), residual), the sum over the ranks, the residual add and the
+        norm in one kernel where the group takes them (a decode step's rows on CUDA)."""
+        if self.tp.size == 1 or self.tp.sequence_split or self.bias is not None or not norm.fused:
+            return norm.add_forward(self(x), residual)
+        partial = self.matmul(x, None)
+        if self.tp.fuses_add_rms_norm(partial):
+            out = self.tp.all_reduce_add_rms_norm(partial, residual, norm.weight, norm.eps)
+            return out, residual
+        return norm.add_forward(self.tp.all_reduce(partial), residual)

@@ -1,0 +1,157 @@
+"""A row-parallel projection's sum over the ranks fused with the residual add and RMSNorm after
+it, in one kernel over peer memory (CUDA, a decode step's few rows):
+
+    residual += sum over ranks of x;  out = w * rms_norm(residual)
+
+with the numbers of `all_reduce` then `triton_ops.add_rms_norm` (the sum in fp32 in rank order,
+rounded once; every rank gets the same bits). Where a decode layer ran a one-shot all-reduce
+and a norm kernel, it runs this one.
+
+How the ranks meet: every rank maps one buffer of every other (torch's symmetric memory). A call
+pushes this rank's rows into its own slot of every rank's buffer, then raises its flag in every
+rank's buffer to the call's number (release), waits until every rank's flag in its own buffer has
+reached that number (acquire), and sums the slots locally. The grid is always PROGRAMS programs,
+program p taking rows p, p + PROGRAMS, ..., each with its own flags, slots and call count (the
+ranks make the same calls, so the counts agree). Calls alternate between two sets of slots: a
+rank writes a set again two calls later, after the call between has seen every rank's flag for
+it, which every rank raised only after finishing its reads of the first. So one exchange of flags
+a call is enough, and the kernel is captured in CUDA graphs like any other.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.pdl import pdl_options, wait_for_previous
+
+PROGRAMS = 32
+FLAGS_BYTES = 2 * PROGRAMS * 8 * 8  # int64 flags [2 sets][PROGRAMS][up to 8 ranks]
+MAX_WIDTH = 16384
+
+
+@triton.jit
+def _all_reduce_add_rms_norm_kernel(
+    buffers_ptr,  # int64 [ranks]: each rank's buffer, mapped here
+    calls_ptr,  # int64 [PROGRAMS]: this rank's call count of each program
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    num_rows,
+    width,
+    x_stride,
+    residual_stride,
+    eps,
+    rank,
+    slot_elements,
+    RANKS: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    FLAGS_BYTES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_previous(USE_PDL)
+    program = tl.program_id(0)
+    call = tl.load(calls_ptr + program) + 1
+    tl.store(calls_ptr + program, call)
+    parity = call % 2
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    dtype = x_ptr.dtype.element_ty
+    flag_index = (parity * PROGRAMS + program) * 8
+    # push this rank's rows into its slot of every rank's buffer
+    for row in range(program, num_rows, PROGRAMS):
+        values = tl.load(x_ptr + row * x_stride + cols, mask=mask)
+        for peer in tl.static_range(RANKS):
+            slots = (tl.load(buffers_ptr + peer) + FLAGS_BYTES).to(tl.pointer_type(dtype))
+            slot = slots + (parity * RANKS + rank) * slot_elements
+            tl.store(slot + row * width + cols, values, mask=mask)
+    tl.debug_barrier()  # every thread's rows are out before the flags go up
+    for peer in tl.static_range(RANKS):
+        flags = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(flags + flag_index + rank, call, sem="release", scope="sys")
+    own = tl.load(buffers_ptr + rank)
+    own_flags = own.to(tl.pointer_type(tl.int64))
+    for peer in tl.static_range(RANKS):
+        while tl.atomic_add(own_flags + flag_index + peer, 0, sem="acquire", scope="sys") < call:
+            pass
+    tl.debug_barrier()  # and every thread reads after the flags were seen
+    slots = (own + FLAGS_BYTES).to(tl.pointer_type(dtype)) + parity * RANKS * slot_elements
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for row in range(program, num_rows, PROGRAMS):
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for peer in tl.static_range(RANKS):
+            part = tl.load(
+                slots + peer * slot_elements + row * width + cols,
+                mask=mask, other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            total += part.to(tl.float32)
+        residual_row = residual_ptr + row * residual_stride + cols
+        residual = tl.load(residual_row, mask=mask, other=0.0)
+        summed = (total.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        tl.store(residual_row, summed, mask=mask)
+        values = summed.to(tl.float32)
+        variance = tl.sum(values * values, axis=0) / width
+        normed = (values * tl.rsqrt(variance + eps)).to(dtype)
+        out = weight * normed.to(tl.float32)
+        tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class AllReduceAddRMSNorm:
+    """The fused sum, add and norm of one tensor-parallel group, for tensors of `dtype` up to
+    the buffer's slot size. Joined collectively (every rank at once) on a registered group."""
+
+    @staticmethod
+    def allocate(size: int, max_bytes: int, device: torch.device) -> torch.Tensor:
+        """A rank's buffer for sums of up to max_bytes: the flags, then two sets of a slot a
+        rank."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if size > 8:
+            raise RuntimeError("the fused all-reduce takes up to 8 ranks")
+        buffer = symm_mem.empty(FLAGS_BYTES + 2 * size * max_bytes, dtype=torch.uint8,
+                                device=device)  # fmt: skip
+        buffer.zero_()  # the flags start below any call number
+        torch.cuda.synchronize(device)
+        return buffer
+
+    def __init__(
+        self, group_name: str, rank: int, size: int, dtype: torch.dtype, buffer: torch.Tensor
+    ) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.rank, self.size, self.dtype = rank, size, dtype
+        self.max_bytes = (buffer.numel() - FLAGS_BYTES) // (2 * size)
+        self.slot_elements = self.max_bytes // dtype.itemsize
+        self.buffer = buffer
+        # collective: no rank's first flag lands before every rank has zeroed its own
+        self.handle = symm_mem.rendezvous(buffer, group_name)
+        offset = buffer.data_ptr() - self.handle.buffer_ptrs[rank]  # the same on every rank
+        addresses = [pointer + offset for pointer in self.handle.buffer_ptrs]
+        self.buffers = torch.tensor(addresses, dtype=torch.int64, device=buffer.device)
+        self.calls = torch.zeros(PROGRAMS, dtype=torch.int64, device=buffer.device)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return (
+            x.dtype == self.dtype
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and x.shape[1] <= MAX_WIDTH
+            and x.shape[0] * x.shape[1] * x.element_size() <= self.max_bytes
+        )
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """x: this rank's partial sums [T, width]; residual [T, width] (updated in place)."""
+        rows, width = x.shape
+        out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+        _all_reduce_add_rms_norm_kernel[(PROGRAMS,)](
+            self.buffers, self.calls, x, residual, weight, out, rows, width, x.stride(0),
+            residual.stride(0), eps, self.rank, self.slot_elements, RANKS=self.size,
+            PROGRAMS=PROGRAMS, FLAGS_BYTES=FLAGS_BYTES, BLOCK=triton.next_power_of_2(width),
+            **pdl_options(x.device),
+        )  # fmt: skip
+        return out
