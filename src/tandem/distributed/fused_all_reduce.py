@@ -125,7 +125,7 @@ class AllReduceAddRMSNorm:
         self.rank, self.size, self.dtype = rank, size, dtype
         self.max_bytes = (buffer.numel() - FLAGS_BYTES) // (2 * size)
         self.slot_elements = self.max_bytes // dtype.itemsize
-        self.buffer = buffer
+        self.buffer = buffer  # the memory the other ranks map lives as long as this does
         # collective: no rank's first flag lands before every rank has zeroed its own
         self.handle = symm_mem.rendezvous(buffer, group_name)
         offset = buffer.data_ptr() - self.handle.buffer_ptrs[rank]  # the same on every rank
