@@ -13,7 +13,8 @@
 * Rank 0 takes each rank's replies stage by stage, a fast rank's reply to a later stage kept
   for it (a rank on NCCL alone loads its shard before a slow one has started).
 * Failures: a rank that dies ends the engine with a sentence naming it, and the worker exits;
-  shutdown leaves no rank process behind.
+  a step that never returns after the death (as one waiting on the GPU for the dead rank would)
+  ends the process with a line saying why; shutdown leaves no rank process behind.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import gc
 import os
 import re
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -485,6 +489,39 @@ def test_a_rank_that_dies_ends_the_engine(tiny_checkpoints):
         while time.monotonic() < deadline:
             llm.generate([[5, 6, 7]], GREEDY)
     shut_down(llm)
+
+
+STUCK_STEP = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    from tandem import LLM, SamplingParams
+    from tandem.executor import multiproc
+
+    multiproc.STUCK_STEP_EXIT_S = 1.0
+    llm = LLM(sys.argv[1], num_kv_blocks=64, tensor_parallel_size=2)
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([[5, 6, 7]], greedy)
+    # rank 0's next step never returns, as one whose kernel waits on the GPU for the dead rank
+    llm.core.executor.rank.runner.execute = lambda scheduler_output: time.sleep(600)
+    (rank,) = llm.core.executor.processes
+    threading.Timer(0.5, os.kill, (rank.pid, signal.SIGKILL)).start()
+    llm.generate([[5, 6, 7]], greedy)
+    print("the step returned")
+    """
+)
+
+
+def test_a_step_still_running_after_a_ranks_death_ends_the_process(tiny_checkpoints):
+    model = str(tiny_checkpoints["llama-gqa"])
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", STUCK_STEP, model], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == os.EX_SOFTWARE, result.stderr[-3000:]
+    assert "tensor-parallel rank 1" in result.stderr and "exited with code -9" in result.stderr
+    assert "has not returned 1 s after tensor-parallel rank 1 died" in result.stderr
+    assert "the step returned" not in result.stdout
+    assert time.monotonic() - started < 90
 
 
 # --- the HTTP worker --------------------------------------------------------------------------

@@ -15,10 +15,13 @@ needs no second, CPU-side process group next to NCCL's; and a dead rank cannot b
 Failures: a rank that fails to start fails the engine's start with its error. A monitor thread
 waits on the rank processes; when one exits, the executor has failed (`check_health` raises
 `ExecutorFailedError`, which ends the engine, idle or mid-step: gloo's pending collective raises
-at once, NCCL's is aborted). Shutdown, or the executor's end without it (an offline engine at
-the interpreter's exit), stops every rank (Shutdown, then SIGKILL; ranks ignore SIGINT and
-SIGTERM, which a terminal or a supervisor sends the worker's whole process group), and the ranks
-die with the engine core in any case (PR_SET_PDEATHSIG).
+at once, NCCL's is aborted). A step still running STUCK_STEP_EXIT_S after the death waits on
+the GPU for the dead rank (the peer-memory kernels have no timeout): the process exits
+(EX_SOFTWARE, with a line saying why) rather than hang; an idle engine sees the death at its
+next step. Shutdown, or the executor's end without it (an offline engine at the interpreter's
+exit), stops every rank (Shutdown, then SIGKILL; ranks ignore SIGINT and SIGTERM, which a
+terminal or a supervisor sends the worker's whole process group), and the ranks die with the
+engine core in any case (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ logger = logging.getLogger(__name__)
 REPLY_POLL_MS = 100  # while waiting on the ranks: how often to look whether one died
 STOP_TIMEOUT_S = 5.0  # a rank told to stop gets this long, then SIGKILL
 DEATH_GRACE_S = 1.0  # a step that raised: how long to wait for a rank's exit to show
+# A rank died and rank 0's step is still running this long after (a step fails at its next
+# collective, gloo's or an aborted NCCL's): it waits on the GPU for ever.
+STUCK_STEP_EXIT_S = 30.0
 
 
 class MultiprocExecutor(Executor):
@@ -136,6 +142,7 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.check_health()
         self._send(for_other_ranks(scheduler_output, self.block_tables))
+        self.monitor.in_step = True
         try:
             return self.rank.runner.execute(scheduler_output)
         except Exception as exc:
@@ -144,6 +151,8 @@ class MultiprocExecutor(Executor):
                 time.sleep(0.01)  # a collective that raised: did a rank die?
             self.check_health(exc)
             raise
+        finally:
+            self.monitor.in_step = False
 
     @property
     def failure(self) -> str | None:
@@ -211,10 +220,12 @@ def start_rank(arguments: tuple) -> subprocess.Popen:
 
 class RankMonitor:
     """A thread per rank process, waiting for it to exit: the first to exit, unless stopped
-    first, sets `failure` and aborts the group's pending NCCL collectives."""
+    first, sets `failure` and aborts the group's pending NCCL collectives; if rank 0's step is
+    still running STUCK_STEP_EXIT_S later, this process exits."""
 
     def __init__(self, processes: list[subprocess.Popen]) -> None:
         self.failure: str | None = None
+        self.in_step = False  # rank 0 is running a step
         self.tp: TensorParallelGroup | None = None  # once joined
         self.stopped = False
         for rank, process in enumerate(processes, start=1):
@@ -238,6 +249,14 @@ class RankMonitor:
         tp = self.tp
         if tp is not None and tp.uses_nccl:
             tp.abort()  # NCCL would wait on the dead rank: fail what is pending
+        time.sleep(STUCK_STEP_EXIT_S)
+        if self.in_step and not self.stopped:
+            logger.critical(
+                "the engine's step has not returned %.0f s after tensor-parallel rank %d died "
+                "(a kernel on the GPU waits for it): this process exits", STUCK_STEP_EXIT_S, rank,
+            )  # fmt: skip
+            logging.shutdown()
+            os._exit(os.EX_SOFTWARE)
 
 
 def stop_ranks(
