@@ -493,7 +493,7 @@ def test_a_rank_that_dies_ends_the_engine(tiny_checkpoints):
 
 STUCK_STEP = textwrap.dedent(
     """
-    import os, signal, sys, threading, time
+    import os, signal, sys, time
     from tandem import LLM, SamplingParams
     from tandem.executor import multiproc
 
@@ -501,10 +501,15 @@ STUCK_STEP = textwrap.dedent(
     llm = LLM(sys.argv[1], num_kv_blocks=64, tensor_parallel_size=2)
     greedy = SamplingParams(temperature=0, max_tokens=2)
     llm.generate([[5, 6, 7]], greedy)
-    # rank 0's next step never returns, as one whose kernel waits on the GPU for the dead rank
-    llm.core.executor.rank.runner.execute = lambda scheduler_output: time.sleep(600)
     (rank,) = llm.core.executor.processes
-    threading.Timer(0.5, os.kill, (rank.pid, signal.SIGKILL)).start()
+
+    def stuck_step(scheduler_output):
+        # the rank dies in the step, which never returns, as one whose kernel waits on the
+        # GPU for the dead rank
+        os.kill(rank.pid, signal.SIGKILL)
+        time.sleep(600)
+
+    llm.core.executor.rank.runner.execute = stuck_step
     llm.generate([[5, 6, 7]], greedy)
     print("the step returned")
     """
