@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 import tandem
+from process_tree import alive
 from tandem.access import CLUSTER_TOKEN_ENV
 from tandem.launcher.plan import ProcessPlan
 from tandem.launcher.supervisor import Supervisor
@@ -136,15 +137,10 @@ def parent_of(pid: int) -> int | None:
     return int(fields[1]) if fields else None
 
 
-def is_alive(pid: int) -> bool:
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
-
-
 def wait_until_gone(pids: list[int], timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
-    while any(is_alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"still alive: {[p for p in pids if is_alive(p)]}"
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"still alive: {[p for p in pids if alive(p)]}"
         time.sleep(0.05)
 
 
@@ -162,7 +158,7 @@ def launch(fake_tandem: Path) -> Iterator[type[Launcher]]:
         children = launcher.children() if launcher.process.poll() is None else []
         launcher.stop()
         for pid in children:
-            if is_alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

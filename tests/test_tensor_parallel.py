@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import re
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 import zmq
 
+from process_tree import alive
 from tandem import LLM, SamplingParams
 from tandem.attention.base import get_backend
 from tandem.distributed.group import TensorParallelGroup, host_store, join_group
@@ -54,7 +54,7 @@ from tandem.models.loader import iter_safetensors, load_model, resolve_model
 from tandem.server.main import ENGINE_DIED_EXIT_CODE
 from tiny_gguf import write_tiny_llama_gguf
 from tiny_models import varied_prompts
-from worker_fixtures import running_worker, start_worker
+from worker_fixtures import rank_pids_in_log, running_worker, start_worker
 
 SHAPES = ["llama-gqa", "qwen3-qknorm"]  # 4 heads over 2 KV heads; 4 heads over 1 KV head
 NEW_TOKENS = 12
@@ -69,21 +69,11 @@ def rank_pids(executor) -> list[int]:
     return [process.pid for process in executor.processes]
 
 
-def is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(FileNotFoundError):  # a zombie has exited
-        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-    return False
-
-
 def shut_down(llm: LLM) -> None:
     """Shut the engine down; every rank process must be gone."""
     pids = rank_pids(llm.core.executor)
     llm.core.shutdown()
-    assert not [pid for pid in pids if is_running(pid)]
+    assert not [pid for pid in pids if alive(pid)]
 
 
 # --- the split rules --------------------------------------------------------------------------
@@ -517,25 +507,22 @@ STUCK_STEP = textwrap.dedent(
 
 
 def test_a_step_still_running_after_a_ranks_death_ends_the_process(tiny_checkpoints):
+    """The watchdog, not the interpreter, ends the process: the step sleeps in the interpreter
+    here, but on a GPU it waits in a kernel, with whatever else waits for the GPU."""
     model = str(tiny_checkpoints["llama-gqa"])
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-c", STUCK_STEP, model], capture_output=True, text=True, timeout=120
     )
-    assert result.returncode == os.EX_SOFTWARE, result.stderr[-3000:]
+    assert result.returncode == 1, result.stderr[-3000:]
     assert "tensor-parallel rank 1" in result.stderr and "exited with code -9" in result.stderr
-    assert "has not returned 1 s after tensor-parallel rank 1 died" in result.stderr
+    assert "if the engine's step has not returned 1 s after tensor-parallel rank 1" in result.stderr
+    assert "Timeout (0:00:01)!" in result.stderr and "in stuck_step" in result.stderr
     assert "the step returned" not in result.stdout
     assert time.monotonic() - started < 90
 
 
 # --- the HTTP worker --------------------------------------------------------------------------
-
-
-def rank_pids_in_log(log: str) -> list[int]:
-    match = re.search(r"tensor parallelism: 2 ranks \(pids \[(\d+), (\d+)\]\)", log)
-    assert match, log
-    return [int(match[1]), int(match[2])]
 
 
 def completions(url: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -561,7 +548,7 @@ def test_the_worker_at_tp2_answers_as_tp1_and_stops_its_ranks(tiny_checkpoints, 
         pids = rank_pids_in_log(worker.log_tail(100_000))
         worker.send_signal(signal.SIGTERM)
         assert worker.process.wait(30) == 0
-    assert not [pid for pid in pids if is_running(pid)]
+    assert not [pid for pid in pids if alive(pid)]
 
 
 @pytest.mark.slow  # 30 s; by default a rank's death ends the engine (the test above)
@@ -576,8 +563,8 @@ def test_a_worker_whose_rank_dies_exits_naming_it(tiny_checkpoints, tmp_path):
         log = worker.log_tail(100_000)
         assert f"tensor-parallel rank 1 (pid {rank_pid}) exited with code -9" in log, log
         deadline = time.monotonic() + 10
-        while is_running(engine_pid) and time.monotonic() < deadline:
+        while alive(engine_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not is_running(engine_pid)
+        assert not alive(engine_pid)
     finally:
         worker.stop()

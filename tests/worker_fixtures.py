@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -151,6 +152,13 @@ def running_worker(
         yield worker
     finally:
         worker.stop()
+
+
+def rank_pids_in_log(log: str) -> list[int]:
+    """A TP=2 worker's engine process and its rank 1, from the line the engine logs at start."""
+    match = re.search(r"tensor parallelism: 2 ranks \(pids \[(\d+), (\d+)\]\)", log)
+    assert match, log
+    return [int(match[1]), int(match[2])]
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -15,18 +15,19 @@ needs no second, CPU-side process group next to NCCL's; and a dead rank cannot b
 Failures: a rank that fails to start fails the engine's start with its error. A monitor thread
 waits on the rank processes; when one exits, the executor has failed (`check_health` raises
 `ExecutorFailedError`, which ends the engine, idle or mid-step: gloo's pending collective raises
-at once, NCCL's is aborted). A step still running STUCK_STEP_EXIT_S after the death waits on
-the GPU for the dead rank (the peer-memory kernels have no timeout): the process exits
-(EX_SOFTWARE, with a line saying why) rather than hang; an idle engine sees the death at its
-next step. Shutdown, or the executor's end without it (an offline engine at the interpreter's
-exit), stops every rank (Shutdown, then SIGKILL; ranks ignore SIGINT and SIGTERM, which a
-terminal or a supervisor sends the worker's whole process group), and the ranks die with the
-engine core in any case (PR_SET_PDEATHSIG).
+at once, NCCL's is aborted). A death in the middle of a step also arms faulthandler's watchdog,
+which runs outside the interpreter: a step still running STUCK_STEP_EXIT_S later waits on the GPU
+for the dead rank (the peer-memory kernels have no timeout; NCCL's abort then hangs too), so the
+watchdog writes every thread's stack to stderr and ends the process (code 1). Shutdown, or the
+executor's end without it (an offline engine at the interpreter's exit), stops every rank
+(Shutdown, then SIGKILL; ranks ignore SIGINT and SIGTERM, which a terminal or a supervisor sends
+the worker's whole process group), and the ranks die with the engine core in any case.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import pickle
@@ -37,6 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import replace
 
 import msgspec
@@ -69,8 +71,8 @@ logger = logging.getLogger(__name__)
 REPLY_POLL_MS = 100  # while waiting on the ranks: how often to look whether one died
 STOP_TIMEOUT_S = 5.0  # a rank told to stop gets this long, then SIGKILL
 DEATH_GRACE_S = 1.0  # a step that raised: how long to wait for a rank's exit to show
-# A rank died and rank 0's step is still running this long after (a step fails at its next
-# collective, gloo's or an aborted NCCL's): it waits on the GPU for ever.
+# A rank died in the middle of rank 0's step, which is still running this long after (a step
+# fails at its next collective, gloo's or an aborted NCCL's): it waits on the GPU for ever.
 STUCK_STEP_EXIT_S = 30.0
 
 
@@ -140,19 +142,17 @@ class MultiprocExecutor(Executor):
         self._wait_replies("allocate its KV cache")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        self.check_health()
-        self._send(for_other_ranks(scheduler_output, self.block_tables))
-        self.monitor.in_step = True
-        try:
-            return self.rank.runner.execute(scheduler_output)
-        except Exception as exc:
-            deadline = time.monotonic() + DEATH_GRACE_S
-            while self.failure is None and time.monotonic() < deadline:
-                time.sleep(0.01)  # a collective that raised: did a rank die?
-            self.check_health(exc)
-            raise
-        finally:
-            self.monitor.in_step = False
+        with self.monitor.step():
+            self.check_health()  # within the step: a death from here on arms the watchdog
+            self._send(for_other_ranks(scheduler_output, self.block_tables))
+            try:
+                return self.rank.runner.execute(scheduler_output)
+            except Exception as exc:
+                deadline = time.monotonic() + DEATH_GRACE_S
+                while self.failure is None and time.monotonic() < deadline:
+                    time.sleep(0.01)  # a collective that raised: did a rank die?
+                self.check_health(exc)
+                raise
 
     @property
     def failure(self) -> str | None:
@@ -220,14 +220,16 @@ def start_rank(arguments: tuple) -> subprocess.Popen:
 
 class RankMonitor:
     """A thread per rank process, waiting for it to exit: the first to exit, unless stopped
-    first, sets `failure` and aborts the group's pending NCCL collectives; if rank 0's step is
-    still running STUCK_STEP_EXIT_S later, this process exits."""
+    first, sets `failure` and aborts the group's pending NCCL collectives; if rank 0 is in a
+    step then, a watchdog ends this process unless the step returns within STUCK_STEP_EXIT_S."""
 
     def __init__(self, processes: list[subprocess.Popen]) -> None:
         self.failure: str | None = None
-        self.in_step = False  # rank 0 is running a step
         self.tp: TensorParallelGroup | None = None  # once joined
         self.stopped = False
+        self._lock = threading.Lock()  # orders a step's start and end against a death
+        self._in_step = False
+        self._watchdog = False
         for rank, process in enumerate(processes, start=1):
             threading.Thread(
                 target=self._watch, args=(rank, process), name=f"tp-rank{rank}-monitor",
@@ -236,6 +238,20 @@ class RankMonitor:
 
     def stop(self) -> None:
         self.stopped = True
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Rank 0's step runs within it; a step that returns, or raises, disarms the watchdog."""
+        with self._lock:
+            self._in_step = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_step = False
+                if self._watchdog:
+                    faulthandler.cancel_dump_traceback_later()
+                    self._watchdog = False
 
     def _watch(self, rank: int, process: subprocess.Popen) -> None:
         code = process.wait()
@@ -246,17 +262,18 @@ class RankMonitor:
             "engine cannot go on"
         )
         logger.critical("%s", self.failure)
+        with self._lock:
+            if self._in_step:
+                logger.critical(
+                    "if the engine's step has not returned %.0f s after tensor-parallel rank %d "
+                    "died (a kernel on the GPU waits for it), this process ends, every thread's "
+                    "stack on stderr", STUCK_STEP_EXIT_S, rank,
+                )  # fmt: skip
+                faulthandler.dump_traceback_later(STUCK_STEP_EXIT_S, exit=True)
+                self._watchdog = True
         tp = self.tp
         if tp is not None and tp.uses_nccl:
             tp.abort()  # NCCL would wait on the dead rank: fail what is pending
-        time.sleep(STUCK_STEP_EXIT_S)
-        if self.in_step and not self.stopped:
-            logger.critical(
-                "the engine's step has not returned %.0f s after tensor-parallel rank %d died "
-                "(a kernel on the GPU waits for it): this process exits", STUCK_STEP_EXIT_S, rank,
-            )  # fmt: skip
-            logging.shutdown()
-            os._exit(os.EX_SOFTWARE)
 
 
 def stop_ranks(
