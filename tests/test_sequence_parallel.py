@@ -1,14 +1,14 @@
 """A prompt's step run sequence-parallel (`TensorParallelGroup.split_sequence`), the model's side of
-it on the CPU: at TP=2 and TP=4 (threads of one process, a real gloo group) each rank keeps its
-slice of the tokens between the layers and the products gather or scatter the rows. The engine
-runs that layout only with peer memory on CUDA, its products torch's fused symmetric-memory ops
-(tests/test_tensor_parallel_cuda.py runs those on two GPUs); here `GlooSplitGroup` does the same
-products with plain collectives (gather the rows, then multiply; multiply, sum, keep this rank's
-rows), so what is tested is the layout around them: the padding of a step whose tokens do not
-divide by the ranks, the QKV rows handed to attention, biases, q/k norms, replicated KV heads,
-and the final gather. Two steps of one prompt (the second attends to the first's cached KV),
-against TP=1 and the unsplit TP=N forward: the final hidden states, and the KV each rank wrote
-for its heads (what decode and a KV transfer read)."""
+it on the CPU: at TP=2 (threads of one process, a real gloo group) each rank keeps its slice of
+the tokens between the layers and the products gather or scatter the rows. The engine runs that
+layout only on two ranks with peer memory on CUDA (the policy is checked here too), its products
+torch's fused symmetric-memory ops (tests/test_tensor_parallel_cuda.py runs those on two GPUs);
+here `GlooSplitGroup` does the same products with plain collectives (gather the rows, then
+multiply; multiply, sum, keep this rank's rows), so what is tested is the layout around them:
+the padding of a step whose tokens do not divide by the ranks, the QKV rows handed to attention,
+biases, q/k norms, replicated KV heads, and the final gather. Two steps of one prompt (the second
+attends to the first's cached KV), against TP=1 and the unsplit TP=2 forward: the final hidden
+states, and the KV each rank wrote for its heads (what decode and a KV transfer read)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from tandem.models.loader import load_model, resolve_model
 from test_tensor_parallel import run_ranks
 
 BLOCK_SIZE = 8
-STEPS = (37, 27)  # a prompt's two steps; neither divides by 2 or by 4
+STEPS = (37, 27)  # a prompt's two steps; neither divides by 2
 SPLIT_MIN_TOKENS = 16  # the engine's mark is 2048; steps of tiny models this size split here
-CASES = [("llama-gqa", 2), ("llama-gqa", 4), ("qwen2-bias", 2), ("qwen3-qknorm", 4)]
+SHAPES = ["llama-gqa", "qwen2-bias", "qwen3-qknorm"]  # qwen3-qknorm: its one KV head replicated
 
 
 class GlooSplitGroup(TensorParallelGroup):
@@ -82,8 +82,18 @@ def prompt_steps(source, tp: TensorParallelGroup, prompt: torch.Tensor, block_ta
     return hidden, kv_cache, heads, getattr(model.tp, "products", 0)
 
 
-@pytest.mark.parametrize(("shape", "size"), CASES)
-def test_a_split_prompt_step_matches_tp1_and_the_unsplit_step(shape, size, tiny_checkpoints):
+def test_only_a_long_step_on_two_ranks_with_peer_memory_splits(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU build
+    cases = [(2, True, 2048, True), (2, True, 2047, False), (2, False, 8192, False)]
+    cases += [(4, True, 8192, False)]
+    for size, peer_memory, tokens, splits in cases:
+        tp = TensorParallelGroup(0, size, peer_memory=object() if peer_memory else None)
+        assert tp.can_split_sequence(tokens) == splits, (size, peer_memory, tokens)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_split_prompt_step_matches_tp1_and_the_unsplit_step(shape, tiny_checkpoints):
+    size = 2
     source = resolve_model(str(tiny_checkpoints[shape]))
     generator = torch.Generator().manual_seed(size)
     prompt = torch.randint(0, source.config.vocab_size, (sum(STEPS),), generator=generator)

@@ -1,17 +1,22 @@
 """Tensor parallelism on two CUDA GPUs (NCCL): the group's sums (peer memory for small ones,
 NCCL for the rest) equal to the sum of the inputs, eager and in a CUDA graph; the sum fused with
 the residual add and RMSNorm equal to the sum of the inputs then the add-and-norm kernel, at 2
-and 4 ranks, for every row count it takes, eager and in a CUDA graph; a prompt step
+ranks, for every row count it takes, eager and in a CUDA graph; a prompt step
 run sequence-parallel identical to transformers, TP=1 and TP=2 unsplit; greedy output at
 TP=2 identical to transformers and to TP=1, with the decode CUDA graphs (their collectives
 captured) and without, and with every all-reduce on NCCL (these two at TP=4 too, given four
 GPUs); and PD over tcp from a prefill worker at TP=1 to a decode worker at TP=2, and from a
 TP=2 prefill worker whose prompt steps split to a TP=1 decode worker, token-identical to a
-colocated worker, with nothing held afterwards. Skipped without two GPUs."""
+colocated worker, with nothing held afterwards; a TP=2 worker whose rank 1 is killed while it
+decodes streams ends them with an error and exits. Skipped without two GPUs."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 
 import httpx
 import pytest
@@ -19,16 +24,21 @@ import torch
 import torch.multiprocessing as mp
 
 from pd_fixtures import assert_nothing_held
+from process_tree import alive
 from tandem import LLM, SamplingParams
 from tandem.distributed import group
 from tandem.distributed.group import (
+    FUSED_ADD_NORM_MAX_RANKS,
     PEER_MEMORY_MAX_BYTES,
+    SEQUENCE_SPLIT_MAX_RANKS,
     SEQUENCE_SPLIT_MIN_TOKENS,
     host_store,
     join_group,
 )
+from tandem.executor.multiproc import STUCK_STEP_EXIT_S
+from tandem.server.main import ENGINE_DIED_EXIT_CODE
 from test_cuda_engine import PROMPTS, greedy_body, hf_greedy
-from worker_fixtures import running_worker
+from worker_fixtures import rank_pids_in_log, running_worker, start_worker
 
 pytestmark = [
     pytest.mark.cuda,
@@ -49,18 +59,38 @@ def rank_input(rank: int, rows: int) -> torch.Tensor:
     return torch.randn(rows, HIDDEN, generator=generator).to(torch.bfloat16)
 
 
-def group_sums(rank: int, address, results) -> None:
-    """On GPU `rank`: the group's sum of every SUM_ROWS input, eager, and the 1-row sum taken
-    eight times over in one CUDA graph (each sum the next one's input); or the error."""
+def run_rank(target, rank: int, size: int, address, results) -> None:
+    """In rank `rank`'s process: target(rank, size, address), or its error's repr."""
     try:
-        results.put((rank, *rank_sums(rank, address)))
+        results.put((rank, target(rank, size, address)))
     except Exception as exc:
-        results.put((rank, repr(exc), None, None))
+        results.put((rank, repr(exc)))
 
 
-def rank_sums(rank: int, address) -> tuple:
+def on_ranks(target, size: int) -> dict:
+    """target(rank, size, address) in a spawned process per rank on GPUs 0 to size - 1,
+    which rendezvous at `address`: {rank: its result, or its error's repr}."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    store, address = host_store(size)
+    ranks = [
+        context.Process(target=run_rank, args=(target, rank, size, address, results))
+        for rank in range(size)
+    ]
+    for process in ranks:
+        process.start()
+    by_rank = dict(results.get(timeout=180) for _ in ranks)
+    for process in ranks:
+        process.join(60)
+    del store
+    return by_rank
+
+
+def rank_sums(rank: int, size: int, address) -> tuple:
+    """On GPU `rank`: the group's sum of every SUM_ROWS input, eager, and the 1-row sum taken
+    eight times over in one CUDA graph (each sum the next one's input)."""
     torch.cuda.set_device(rank)
-    tp = join_group(rank, 2, address, torch.device("cuda", rank), None, torch.bfloat16)
+    tp = join_group(rank, size, address, torch.device("cuda", rank), None, torch.bfloat16)
     # float32 numpy (exact for bf16): plain pickles, not tensors shared through a descriptor
     # that the child's exit may close before the parent takes it
     sums = {
@@ -83,18 +113,11 @@ def rank_sums(rank: int, address) -> tuple:
 
 
 def test_the_groups_sums_equal_the_sum_of_the_inputs():
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    store, address = host_store(2)  # the ranks rendezvous on it
-    ranks = [context.Process(target=group_sums, args=(r, address, results)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    by_rank = {rank: rest for rank, *rest in (results.get(timeout=120) for _ in ranks)}
-    for process in ranks:
-        process.join(60)
     assert SUM_ROWS[-1] * HIDDEN * 2 > PEER_MEMORY_MAX_BYTES  # the last sum goes through NCCL
-    for peer_memory, sums, chained in by_rank.values():
-        assert peer_memory is True, peer_memory  # else the error
+    for result in on_ranks(rank_sums, 2).values():
+        assert isinstance(result, tuple), result  # else the error
+        peer_memory, sums, chained = result
+        assert peer_memory is True
         for rows in SUM_ROWS:  # two bf16 addends: every path rounds their exact sum alike
             expected = (rank_input(0, rows).float() + rank_input(1, rows).float()).bfloat16()
             assert torch.equal(torch.from_numpy(sums[rows]).bfloat16(), expected), rows
@@ -102,7 +125,6 @@ def test_the_groups_sums_equal_the_sum_of_the_inputs():
         for _ in range(7):
             expected = expected.bfloat16().float() * 2
         assert torch.equal(torch.from_numpy(chained).bfloat16(), expected.bfloat16())
-    del store
 
 
 # rows of the fused sum, add and norm: odd and even, over and under its 32 programs, 1 MiB last
@@ -119,18 +141,11 @@ def fused_inputs(rank: int, call: int, rows: int) -> tuple[torch.Tensor, torch.T
     return partial.to(torch.bfloat16), residual.to(torch.bfloat16)
 
 
-def fused_sums(rank: int, size: int, address, results) -> None:
+def rank_fused_sums(rank: int, size: int, address) -> list:
     """On GPU `rank` of `size`: each FUSED_ROWS call's (out, residual) and what the add-and-norm
     kernel makes of the inputs' sum (gathered, summed in fp32 in rank order); then the same for
     one call captured in a CUDA graph and replayed on new inputs, an eager call between
-    replays. Or the error."""
-    try:
-        results.put((rank, rank_fused_sums(rank, size, address)))
-    except Exception as exc:
-        results.put((rank, repr(exc)))
-
-
-def rank_fused_sums(rank: int, size: int, address) -> list:
+    replays."""
     from tandem.models.triton_ops import add_rms_norm
 
     torch.cuda.set_device(rank)
@@ -172,19 +187,9 @@ def rank_fused_sums(rank: int, size: int, address) -> list:
     return calls
 
 
-@pytest.mark.parametrize("size", [2, pytest.param(4, marks=FOUR_GPUS)])
-def test_the_sum_fused_with_add_and_norm_equals_the_sum_then_the_norm(size):
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    store, address = host_store(size)
-    ranks = [
-        context.Process(target=fused_sums, args=(r, size, address, results)) for r in range(size)
-    ]
-    for process in ranks:
-        process.start()
-    by_rank = dict(results.get(timeout=180) for _ in ranks)
-    for process in ranks:
-        process.join(60)
+def test_the_sum_fused_with_add_and_norm_equals_the_sum_then_the_norm():
+    size = FUSED_ADD_NORM_MAX_RANKS
+    by_rank = on_ranks(rank_fused_sums, size)
     rows = FUSED_ROWS + [1] * FUSED_GRAPH_REPLAYS
     for rank, calls in by_rank.items():
         assert isinstance(calls, list), calls  # else the error
@@ -196,7 +201,6 @@ def test_the_sum_fused_with_add_and_norm_equals_the_sum_then_the_norm(size):
             assert torch.equal(torch.from_numpy(residual).bfloat16(), stream), (rank, call)
             assert (out == expected).all(), (rank, call)  # the same bits as sum, then norm
             assert (out == by_rank[0][call][0]).all(), (rank, call)  # and on every rank
-    del store
 
 
 # Two batches of prompts, each one step over SEQUENCE_SPLIT_MIN_TOKENS with an odd token count.
@@ -248,9 +252,10 @@ def split_greedy(model: str, size: int, results) -> None:
     ],
 )
 def test_a_prompt_step_split_over_the_ranks_matches_tp1(shape, size, tiny_checkpoints):
-    """Steps of prompts at TP=size run sequence-parallel (each rank its slice of the tokens
+    """Steps of prompts at TP=2 run sequence-parallel (each rank its slice of the tokens
     between the layers, an odd count padded): greedy output identical to transformers', TP=1's
-    and TP=size's without the split (every all-reduce on NCCL). At 4, KV heads are replicated."""
+    and TP=2's without the split (every all-reduce on NCCL). At 4 ranks, past
+    SEQUENCE_SPLIT_MAX_RANKS, they do not split, and the output is the same."""
     model, prompts = str(tiny_checkpoints[shape]), split_prompts()
     assert min(map(sum, SPLIT_BATCHES)) >= SEQUENCE_SPLIT_MIN_TOKENS
     context = mp.get_context("spawn")
@@ -259,7 +264,7 @@ def test_a_prompt_step_split_over_the_ranks_matches_tp1(shape, size, tiny_checkp
     child.start()
     splits, got = results.get(timeout=300)
     child.join(60)
-    assert splits == [2151, 3601], splits  # else the error
+    assert splits == ([2151, 3601] if size <= SEQUENCE_SPLIT_MAX_RANKS else []), splits
     expected, hf_model = hf_greedy(model, prompts, torch.float32)
     del hf_model
     assert got == expected
@@ -281,7 +286,8 @@ def test_tp_on_gpus_matches_transformers_and_tp1(size, shape, eager, tiny_checkp
     tpn = LLM(model, **ENGINE, tensor_parallel_size=size, enforce_eager=eager)
     assert (tpn.core.executor.rank.runner.decode_graphs is None) == eager
     assert (tpn.core.executor.tp.peer_memory is not None) == first_group
-    assert (tpn.core.executor.tp.sum_add_norm is not None) == first_group
+    fused = first_group and size <= FUSED_ADD_NORM_MAX_RANKS
+    assert (tpn.core.executor.tp.sum_add_norm is not None) == fused
     got = [o.outputs[0].token_ids for o in tpn.generate(prompts, GREEDY)]
     tpn.core.shutdown()
     assert got == expected
@@ -369,3 +375,58 @@ def test_pd_between_tp_sizes_matches_colocated(prefill_tp, decode_tp, tmp_path, 
             ).json()
             assert answer["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"]
         assert_nothing_held(prefill, decode)
+
+
+STREAMS = 4
+STREAM_TOKENS = 3500  # with a prompt of under 300 tokens, within the 4096-token context
+
+
+def stream_events(url: str, prompt: list[int], max_tokens: int, seen: list) -> None:
+    """A streamed completion's data events, appended to `seen` as they come, until it ends."""
+    body = dict(greedy_body(prompt), max_tokens=max_tokens, stream=True)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                seen.append(line.removeprefix("data: "))
+
+
+def test_a_rank_killed_while_decoding_ends_the_worker(tmp_path, tiny_checkpoints):
+    """A TP=2 worker decoding streams with its CUDA graphs in bf16 (every sum in a peer-memory
+    kernel that waits for the other rank's flag on the GPU): rank 1 SIGKILLed mid-stream. Rank
+    0's step cannot return, so its process exits STUCK_STEP_EXIT_S later; each stream then ends
+    with an error event, the worker exits with ENGINE_DIED_EXIT_CODE, and no process is left."""
+    model = str(long_context_copy(tiny_checkpoints["llama-gqa"], tmp_path / "long"))
+    flags = ["--device", "cuda:0", "-tp", "2", "--dtype", "bfloat16", "--max-model-len", "4096"]
+    worker = start_worker(tmp_path, *flags, "--num-kv-blocks", "2048", model=model)
+    try:
+        worker.wait_healthy()
+        engine_pid, rank_pid = rank_pids_in_log(worker.log_tail(100_000))
+        streams = [[] for _ in range(STREAMS)]
+        readers = [
+            threading.Thread(target=stream_events, args=(worker.url, prompt, STREAM_TOKENS, seen))
+            for prompt, seen in zip(PROMPTS, streams, strict=False)
+        ]
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 60
+        while min(map(len, streams)) < 20:  # every stream is decoding
+            assert time.monotonic() < deadline, ([len(seen) for seen in streams], worker.log_tail())
+            time.sleep(0.01)
+        os.kill(rank_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = worker.process.wait(STUCK_STEP_EXIT_S + 60)
+        exited_s = time.monotonic() - killed
+        log = worker.log_tail(100_000)
+        assert code == ENGINE_DIED_EXIT_CODE, log
+        assert f"tensor-parallel rank 1 (pid {rank_pid}) exited with code -9" in log, log
+        print(f"the worker exited {exited_s:.1f} s after the kill; its step stuck: "
+              f"{'has not returned' in log}")  # fmt: skip
+        for reader in readers:
+            reader.join(10)
+        assert not any(reader.is_alive() for reader in readers), "a stream hung"
+        for seen in streams:  # cut short: an error event, then the end of the stream
+            assert seen[-1] == "[DONE]" and "error" in json.loads(seen[-2]), seen[-2:]
+            assert len(seen) < STREAM_TOKENS
+        assert not alive(engine_pid) and not alive(rank_pid)
+    finally:
+        worker.stop()

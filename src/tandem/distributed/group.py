@@ -16,12 +16,12 @@ executor's monitor aborts the group (`abort`).
 On CUDA a sum of at most PEER_MEMORY_MAX_BYTES (a decode step's) goes through
 `PeerMemoryAllReduce`: one kernel that reads every rank's copy over NVLink (torch's symmetric
 memory, one-shot), about a third of NCCL's time (benchmarks/all_reduce.py); where a residual add
-and RMSNorm follow the sum (a decoder layer's projections), `all_reduce_add_rms_norm` does all
-three in one kernel of ours (`fused_all_reduce.py`) on a buffer of its own; a step of at least
-SEQUENCE_SPLIT_MIN_TOKENS tokens may run sequence-parallel (`split_sequence`): each rank keeps its
-slice of the tokens between the layers, and the products gather or scatter the rows while they
-multiply (torch's fused symmetric-memory ops). `--disable-custom-all-reduce` (vLLM's flag) keeps
-NCCL for all.
+and RMSNorm follow the sum (a decoder layer's projections), a group of two ranks does all three
+in one kernel of ours (`all_reduce_add_rms_norm`, `fused_all_reduce.py`) on a buffer of its own;
+on such a group a step of at least SEQUENCE_SPLIT_MIN_TOKENS tokens may run sequence-parallel
+(`split_sequence`): each rank keeps its slice of the tokens between the layers, and the products
+gather or scatter the rows while they multiply (torch's fused symmetric-memory ops).
+`--disable-custom-all-reduce` (vLLM's flag) keeps NCCL for all.
 """
 
 from __future__ import annotations
@@ -47,6 +47,13 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 # Sums up to this size read the peers' copies directly; larger ones (a prompt's) go through NCCL,
 # whose ring is faster once the bytes, not the latency, dominate.
 PEER_MEMORY_MAX_BYTES = 1 << 20
+# Two ways of summing that pay at two ranks and not at four (docs/benchmarks.md, the 8B shape on
+# H200s): the sum fused with the residual add and RMSNorm after it took 0.2 to 0.5 ms off a
+# decode step of 32 and 64 sequences at two ranks, and cost 0.2 ms at batch 1 at four; a prompt
+# step split over the ranks took an 8192-token prefill from 137 to 131 ms at two, and from 86 to
+# 130 ms at four. Groups of more ranks keep the one-shot sum and NCCL.
+FUSED_ADD_NORM_MAX_RANKS = 2
+SEQUENCE_SPLIT_MAX_RANKS = 2
 # A step of at least this many tokens may run sequence-parallel.
 SEQUENCE_SPLIT_MIN_TOKENS = 2048
 # Whether this process has set up peer memory for a group already. A second setup in the same
@@ -110,6 +117,7 @@ class TensorParallelGroup:
     def can_split_sequence(self, num_tokens: int) -> bool:
         return (
             self.peer_memory is not None
+            and self.size <= SEQUENCE_SPLIT_MAX_RANKS
             and num_tokens >= SEQUENCE_SPLIT_MIN_TOKENS
             and not torch.cuda.is_current_stream_capturing()
         )
@@ -238,7 +246,10 @@ def set_up_peer_memory(
                 group = register_by_name(name, tp, dist.PrefixStore("peer-memory", store))
                 numel = PEER_MEMORY_MAX_BYTES // dtype.itemsize
                 buffer = symm_mem.empty(numel, dtype=dtype, device=device)
-                fused_buffer = AllReduceAddRMSNorm.allocate(tp.size, PEER_MEMORY_MAX_BYTES, device)
+                if tp.size <= FUSED_ADD_NORM_MAX_RANKS:
+                    fused_buffer = AllReduceAddRMSNorm.allocate(
+                        tp.size, PEER_MEMORY_MAX_BYTES, device
+                    )
             except (RuntimeError, ImportError) as exc:
                 logger.warning("tensor parallelism: all-reduces on NCCL (peer memory: %s)", exc)
                 ready = False
@@ -249,7 +260,8 @@ def set_up_peer_memory(
         if agreed.item():
             _peer_memory_set_up = True
             tp.peer_memory = PeerMemoryAllReduce(name, group, buffer)
-            tp.sum_add_norm = AllReduceAddRMSNorm(name, tp.rank, tp.size, dtype, fused_buffer)
+            if fused_buffer is not None:
+                tp.sum_add_norm = AllReduceAddRMSNorm(name, tp.rank, tp.size, dtype, fused_buffer)
 
 
 def register_by_name(name: str, tp: TensorParallelGroup, store: dist.Store) -> dist.ProcessGroup:
