@@ -19,7 +19,7 @@ import msgspec
 
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput
 from tandem.engine.sampling_params import SamplingParams
-from tandem.executor.rank import MESSAGE_DECODER, BlockTables, ExecuteModel, for_other_ranks
+from tandem.executor.rank import MESSAGE_DECODER, BlockTables, for_other_ranks
 
 CASES = [(1, 128), (64, 1024), (64, 8192)]  # (batch, prompt tokens)
 GENERATED, BLOCK_SIZE, REPEATS = 128, 16, 50
@@ -62,9 +62,13 @@ def timings(step: SchedulerOutput, kind: str) -> tuple[int, float, float]:
     rank 0's table bookkeeping, the decode the other rank's rebuilding of the tables."""
     encoder = msgspec.msgpack.Encoder()
     if kind == "whole step":
-        message = encoder.encode(ExecuteModel(step))
-        encode = median_us(lambda: encoder.encode(ExecuteModel(step)))
-        return len(message), encode, median_us(lambda: MESSAGE_DECODER.decode(message))
+        message = encoder.encode(step)
+        whole = msgspec.msgpack.Decoder(SchedulerOutput)
+        return (
+            len(message),
+            median_us(lambda: encoder.encode(step)),
+            median_us(lambda: whole.decode(message)),
+        )
     rank0, other = BlockTables(), BlockTables()
     if kind == "tables held":
         other.restore(MESSAGE_DECODER.decode(encoder.encode(for_other_ranks(step, rank0))))

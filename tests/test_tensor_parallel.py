@@ -340,20 +340,27 @@ def test_sampling_and_logprobs_match_tp1(shape, engines):
 
 
 def test_the_other_ranks_get_no_sampling_inputs():
-    """for_other_ranks: no output tokens or grammar mask, and the prompt only while a step's
-    tokens reach into the prompt of a request that wants its logprobs."""
+    """for_other_ranks, through msgpack: no sampling parameters, output tokens or grammar mask,
+    and the prompt and its logprobs count only while a step's tokens reach into the prompt of a
+    request that wants its logprobs; what the forward reads arrives as rank 0 has it."""
 
-    def scheduled(start: int, prompt_logprobs: int | None) -> ScheduledRequest:
-        params = SamplingParams(max_tokens=4, prompt_logprobs=prompt_logprobs)
+    def scheduled(rid: str, start: int, prompt_logprobs: int | None) -> ScheduledRequest:
+        params = SamplingParams(max_tokens=4, temperature=0.5, prompt_logprobs=prompt_logprobs)
         return ScheduledRequest(
-            "r", [7, 8], start, [0, 1], True, params, 0, [1, 2, 3, 4], [9], b"\x01\x00\x00\x00"
+            rid, [7, 8], start, [0, 1], True, params, 3, [1, 2, 3, 4], [9], b"\x01\x00\x00\x00"
         )
 
-    step = SchedulerOutput([scheduled(2, 1), scheduled(4, 1), scheduled(0, None)], 6)
-    sent = for_other_ranks(step, BlockTables()).scheduler_output
-    assert [r.prompt_token_ids for r in sent.requests] == [[1, 2, 3, 4], [], []]
-    assert all(r.output_token_ids == [] and r.grammar_bitmask is None for r in sent.requests)
-    assert [r.token_ids for r in sent.requests] == [[7, 8]] * 3  # what the forward needs stays
+    step = SchedulerOutput([scheduled("a", 2, 1), scheduled("b", 4, 1), scheduled("c", 0, None)], 6)
+    message = msgspec.msgpack.encode(for_other_ranks(step, BlockTables()))
+    restored = BlockTables().restore(MESSAGE_DECODER.decode(message))
+    got = restored.requests
+    assert [r.prompt_token_ids for r in got] == [[1, 2, 3, 4], [], []]
+    assert [r.sampling_params.prompt_logprobs for r in got] == [1, None, None]
+    assert all(r.sampling_params.temperature == 1.0 for r in got)  # not sent: the defaults
+    assert all(r.output_token_ids == [] and r.grammar_bitmask is None for r in got)
+    forward = [(r.request_id, r.token_ids, r.start_position, r.block_ids, r.sample) for r in got]
+    assert forward == [(r, [7, 8], s, [0, 1], True) for r, s in (("a", 2), ("b", 4), ("c", 0))]
+    assert [r.output_index for r in got] == [3, 3, 3] and restored.num_batched_tokens == 6
     assert step.requests[2].output_token_ids == [9]  # rank 0's own step untouched
 
 
@@ -383,7 +390,7 @@ def test_the_other_ranks_are_sent_only_new_block_ids_and_rebuild_every_table():
     sent_counts = []
     for tables in steps:
         message = MESSAGE_DECODER.decode(encoder.encode(for_other_ranks(step(tables), rank0)))
-        sent_counts.append([len(r.block_ids) for r in message.scheduler_output.requests])
+        sent_counts.append([len(r.new_block_ids) for r in message.requests])
         restored = other.restore(message)
         assert {r.request_id: r.block_ids for r in restored.requests} == tables
         assert rank0.tables == other.tables == tables

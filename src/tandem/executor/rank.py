@@ -14,8 +14,10 @@ more than one rank, where those steps run eagerly with the Triton kernels per ra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 import torch
@@ -24,6 +26,7 @@ from tandem.attention.base import get_backend
 from tandem.distributed.group import TensorParallelGroup
 from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput, TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
 from tandem.executor.runner import KVCacheSpec, ModelRunner, plan_kv_cache
 from tandem.executor.sampler import Sampler
 from tandem.kv.connector.base import KVConnectorWorker, RankKVTransfer
@@ -40,32 +43,60 @@ class InitializeKVCache(msgspec.Struct, tag=True):
     kv_transfer: RankKVTransfer | None = None  # a PD role: how the rank's KV shard moves
 
 
+class RankRequest(msgspec.Struct, array_like=True):
+    """One scheduled request as the other ranks get it (`for_other_ranks`): what their forward
+    reads, no sampling inputs (they sample nothing: `NoSampling`), and of its block table only
+    the ids they do not hold from the step before."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids_known: int  # how many of its block ids the ranks hold; 0: the whole table is here
+    new_block_ids: list[int]  # the rest of its table
+    sample: bool
+    output_index: int
+    # while this step computes its prompt logprobs (every rank takes part in their gather)
+    prompt_logprobs: int | None = None
+    prompt_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
 class ExecuteModel(msgspec.Struct, tag=True):
-    scheduler_output: SchedulerOutput  # `for_other_ranks` of rank 0's
-    # per request: how many of its block ids the ranks hold from the last step (its block_ids
-    # here are the rest); 0: its whole table is here (BlockTables)
-    block_ids_known: list[int] = msgspec.field(default_factory=list)
+    """A step, as the other ranks get it: `for_other_ranks` of rank 0's SchedulerOutput."""
+
+    requests: list[RankRequest]
+    num_batched_tokens: int
+    kv_connector_metadata: Any = None
 
 
 def for_other_ranks(scheduler_output: SchedulerOutput, tables: BlockTables) -> ExecuteModel:
-    """The step as the other ranks need it: they sample nothing (`NoSampling`), so each
-    request's output tokens and grammar mask stay on rank 0, and its prompt tokens too unless
-    this step computes its prompt logprobs (every rank takes part in their logits' gather); of
-    each block table only what the ranks do not hold yet (`tables`). The whole lists made a
-    step's message grow with every request's context: 1.7 MB, 3 ms to encode and 22 ms to
-    decode, at 64 requests of 8k tokens (CPU, msgspec)."""
+    """The step as the other ranks need it. Its sampling inputs (sampling parameters, output
+    tokens, grammar masks) stay on rank 0, and so does its prompt unless this step computes its
+    prompt logprobs; of each block table only what the ranks do not hold yet (`tables`). A
+    message of every request whole grew with their contexts and parameters: 1.7 MB, 3 ms to
+    encode and 22 ms to decode at 64 requests of 8k tokens (CPU, msgspec; benchmarks/
+    rank_messages.py has the current sizes)."""
     known = tables.known_of(scheduler_output.requests)
-    requests = [
-        replace(
-            request,
-            block_ids=request.block_ids[count:],
-            prompt_token_ids=request.prompt_token_ids if computes_prompt_logprobs(request) else [],
-            output_token_ids=[],
-            grammar_bitmask=None,
-        )
-        for request, count in zip(scheduler_output.requests, known, strict=True)
-    ]
-    return ExecuteModel(replace(scheduler_output, requests=requests), known)
+    requests = []
+    for request, count in zip(scheduler_output.requests, known, strict=True):
+        logprobs = computes_prompt_logprobs(request)
+        requests.append(
+            RankRequest(
+                request.request_id, request.token_ids, request.start_position, count,
+                request.block_ids[count:], request.sample, request.output_index,
+                request.sampling_params.prompt_logprobs if logprobs else None,
+                request.prompt_token_ids if logprobs else [],
+            )
+        )  # fmt: skip
+    return ExecuteModel(
+        requests, scheduler_output.num_batched_tokens, scheduler_output.kv_connector_metadata
+    )
+
+
+@functools.lru_cache(maxsize=64)  # a client picks the values: the cache stays bounded
+def parameters_on_other_ranks(prompt_logprobs: int | None) -> SamplingParams:
+    """What another rank's runner reads of a request's sampling parameters: its prompt
+    logprobs. One object a value, shared by the requests."""
+    return SamplingParams(max_tokens=None, prompt_logprobs=prompt_logprobs)
 
 
 class BlockTables:
@@ -91,17 +122,27 @@ class BlockTables:
         return known
 
     def restore(self, message: ExecuteModel) -> SchedulerOutput:
-        """Another rank: the step with each request's whole block table."""
-        requests, tables = message.scheduler_output.requests, {}
-        for request, count in zip(requests, message.block_ids_known, strict=True):
-            if count:
-                held = self.tables[request.request_id]
-                if len(held) != count:
-                    raise RuntimeError(f"rank 0 counts {count} blocks of a table of {len(held)}")
-                request.block_ids = held + request.block_ids
-            tables[request.request_id] = request.block_ids
+        """Another rank: the step, each request with its whole block table."""
+        requests, tables = [], {}
+        for sent in message.requests:
+            block_ids = sent.new_block_ids
+            if sent.block_ids_known:
+                held = self.tables[sent.request_id]
+                if len(held) != sent.block_ids_known:
+                    raise RuntimeError(
+                        f"rank 0 counts {sent.block_ids_known} blocks of a table of {len(held)}"
+                    )
+                block_ids = held + block_ids
+            tables[sent.request_id] = block_ids
+            requests.append(
+                ScheduledRequest(
+                    sent.request_id, sent.token_ids, sent.start_position, block_ids, sent.sample,
+                    parameters_on_other_ranks(sent.prompt_logprobs), sent.output_index,
+                    sent.prompt_token_ids,
+                )
+            )  # fmt: skip
         self.tables = tables
-        return message.scheduler_output
+        return SchedulerOutput(requests, message.num_batched_tokens, message.kv_connector_metadata)
 
 
 def computes_prompt_logprobs(request: ScheduledRequest) -> bool:
