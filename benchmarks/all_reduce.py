@@ -29,6 +29,7 @@ import json
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gpu_suite import replay_ms  # this script's folder is on sys.path when it runs
 
 SHAPES = [(1, 4096), (8, 4096), (32, 4096), (64, 4096), (64, 1024)]
 FUSED_SHAPES = [(1, 4096), (8, 4096), (32, 4096), (64, 4096), (128, 4096), (64, 1024)]
@@ -50,16 +51,7 @@ def graph_us(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS / CALLS_PER_GRAPH
+    return replay_ms(graph, 5, REPLAYS) * 1e3 / CALLS_PER_GRAPH
 
 
 def time_shape(rows: int, hidden: int, group: str) -> dict[str, float]:

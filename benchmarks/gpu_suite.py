@@ -62,6 +62,21 @@ def cuda_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, warmups: int, replays: int) -> float:
+    """Milliseconds a replay of a captured CUDA graph takes: `warmups` replays, then `replays`
+    back to back between two CUDA events."""
+    for _ in range(warmups):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def ceilings(peer_copy: bool = True) -> dict:
     """GPU 0's copy rate and bf16 matrix rate; with `peer_copy`, GPU 0 -> GPU 1's copy rate too
     (when there are two GPUs)."""

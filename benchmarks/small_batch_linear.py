@@ -19,6 +19,7 @@ import json
 
 import torch
 import triton
+from gpu_suite import replay_ms  # this script's folder is on sys.path when it runs
 
 from tandem.models.triton_ops import _small_batch_linear_kernel, small_batch_linear
 from tandem.pdl import pdl_options
@@ -62,15 +63,7 @@ def graph_us(product, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
     with torch.cuda.graph(graph):
         for call in range(CALLS):
             product(x, weights[call % len(weights)])
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / REPLAYS / CALLS
+    return replay_ms(graph, 3, REPLAYS) * 1000 / CALLS
 
 
 def main() -> None:
