@@ -311,7 +311,7 @@ def run_offline(
     while core.has_work():
         scheduled = core.scheduler.schedule()
         step_start = time.perf_counter()
-        runner_output = core.executor.runner.execute(scheduled)
+        runner_output = core.executor.runner.launch(scheduled)()
         step_s = time.perf_counter() - step_start
         core.scheduler.update_from_output(scheduled, runner_output)
         for request_id in runner_output.sampled_token_ids:

@@ -19,12 +19,8 @@ pytestmark = pytest.mark.cuda
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-DECODE_DEVICES = [  # beside the prefill on GPU 0, or on a GPU of its own
-    "cuda:0",
-    pytest.param(
-        "cuda:1", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-    ),
-]
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+DECODE_DEVICES = ["cuda:0", pytest.param("cuda:1", marks=TWO_GPUS)]  # beside the prefill or not
 
 
 def make_prompts(count: int = 32) -> list[list[int]]:
@@ -253,12 +249,21 @@ def assert_handoffs_match_colocated(tmp_path, both, prefill, decode) -> None:
     assert_nothing_held(prefill, decode)
 
 
-@pytest.mark.parametrize("decode_device", DECODE_DEVICES)
-def test_pd_over_cuda_ipc_matches_colocated(tmp_path, tiny_checkpoints, decode_device):
-    """Prefill on GPU 0, decode on GPU 0 or 1, KV copied out of the mapped prefill cache under
-    a hold on its lease (asked for in sequence, carried by the announcement in a handoff): the
-    same greedy tokens as a colocated worker, and no block held afterwards (the confirmations
-    after the copies freed the prefill's)."""
+@pytest.mark.parametrize(
+    ("decode_device", "decode_flags"),
+    [
+        ("cuda:0", ()),
+        pytest.param("cuda:1", (), marks=TWO_GPUS),
+        pytest.param("cuda:1", ("--async-scheduling",), marks=TWO_GPUS, id="cuda:1-async"),
+    ],
+)
+def test_pd_over_cuda_ipc_matches_colocated(
+    tmp_path, tiny_checkpoints, decode_device, decode_flags
+):
+    """Prefill on GPU 0, decode on GPU 0 or 1 (there also scheduling asynchronously), KV copied
+    out of the mapped prefill cache under a hold on its lease (asked for in sequence, carried by
+    the announcement in a handoff): the same greedy tokens as a colocated worker, and no block
+    held afterwards (the confirmations after the copies freed the prefill's)."""
     model = str(tiny_checkpoints["qwen2-bias"])
     common = ("--dtype", "float32", "--num-kv-blocks", "2048")
     ipc = ("--kv-transport", "cuda-ipc")
@@ -268,7 +273,15 @@ def test_pd_over_cuda_ipc_matches_colocated(tmp_path, tiny_checkpoints, decode_d
             tmp_path, "--device", "cuda:0", "--role", "prefill", *ipc, *common, model=model
         ) as prefill,
         running_worker(
-            tmp_path, "--device", decode_device, "--role", "decode", *ipc, *common, model=model
+            tmp_path,
+            "--device",
+            decode_device,
+            "--role",
+            "decode",
+            *ipc,
+            *common,
+            *decode_flags,
+            model=model,
         ) as decode,
     ):
         assert_pd_matches_colocated(both, prefill, decode, "cuda-ipc")

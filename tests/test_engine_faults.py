@@ -310,10 +310,10 @@ def core(tiny_checkpoints) -> Iterator[EngineCore]:
 
 
 def fail_forward(core: EngineCore, message: str) -> None:
-    def execute(scheduler_output):
+    def launch(scheduler_output):
         raise RuntimeError(message)
 
-    core.executor.execute_model = execute
+    core.executor.launch_model = launch
 
 
 def add(core: EngineCore, request_id: str, max_tokens: int = 4) -> None:
@@ -321,7 +321,7 @@ def add(core: EngineCore, request_id: str, max_tokens: int = 4) -> None:
 
 
 def test_failed_steps_in_a_row_end_the_engine_and_a_success_resets_the_count(core):
-    execute = core.executor.execute_model
+    launch = core.executor.launch_model
     fail_forward(core, "a broken engine")
     for attempt in range(1, MAX_FAILED_STEPS + 1):
         pair = [f"r{attempt}a", f"r{attempt}b"]
@@ -339,7 +339,7 @@ def test_failed_steps_in_a_row_end_the_engine_and_a_success_resets_the_count(cor
         assert "RuntimeError: a broken engine" in outputs[0].error
         assert core.kv_manager.num_used_blocks == 0 and not core.has_work()
         if attempt == 1:  # a step that succeeds in between starts the count again
-            core.executor.execute_model = execute
+            core.executor.launch_model = launch
             add(core, "ok", max_tokens=1)
             assert [o.finish_reason for o in core.step()] == ["length"]
             fail_forward(core, "a broken engine")

@@ -3,7 +3,9 @@ on a decode worker short of KV blocks, and the first token ending the request at
 
 The decode worker gets only DECODE_KV_BLOCKS blocks, so under concurrency PD requests wait for
 blocks before their load can start; every request must still load its KV exactly once (its
-prefill lease is confirmed, not left to expire) and answer right.
+prefill lease is confirmed, not left to expire) and answer right. It schedules asynchronously
+(`--async-scheduling`: each step scheduled while the one before runs), the `both` worker it is
+compared with synchronously.
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ SAMPLING = {
 def trio(tiny_checkpoints, tmp_path_factory) -> Iterator[dict]:
     specs = {
         "prefill": ("--role", "prefill", "--num-kv-blocks", "1024"),
-        "decode": ("--role", "decode", "--num-kv-blocks", str(DECODE_KV_BLOCKS)),
+        "decode": (
+            "--role",
+            "decode",
+            "--num-kv-blocks",
+            str(DECODE_KV_BLOCKS),
+            "--async-scheduling",
+        ),
         "both": ("--role", "both", "--num-kv-blocks", "1024"),
     }
     model = str(tiny_checkpoints[CHECKPOINT])

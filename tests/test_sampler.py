@@ -29,7 +29,7 @@ def device(request) -> torch.device:
 
 
 def sample(logits: torch.Tensor, rows: list[ScheduledRequest], device: torch.device, seed=0):
-    return Sampler([EOS], seed)(logits.to(device, torch.float32), rows)
+    return Sampler([EOS], seed)(logits.to(device, torch.float32), rows).result()
 
 
 def random_logits(num_rows: int, vocab: int, seed: int) -> torch.Tensor:

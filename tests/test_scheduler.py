@@ -5,6 +5,10 @@ scheduled token into the slot its block table names, and "samples" a hash of the
 back from those slots. So a wrong block table, a prefix hit on the wrong block or a block reused
 while still in use changes the sampled tokens, and every finished request is compared with a
 plain loop over the same hash (`reference_generation`), which knows nothing of blocks.
+
+`Harness(async_scheduling=True)` plays the engine core's async scheduling: each step is
+scheduled and run before the output of the one before is taken (the fake model takes a
+SAMPLED_IN_FLIGHT token from its own last samples, as the runner does on the device).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import pytest
 
 from tandem.engine.kv_cache_manager import KVCacheManager, cdiv
 from tandem.engine.outputs import (
+    SAMPLED_IN_FLIGHT,
     EngineCoreOutput,
     HandedOffToken,
     KVConnectorOutput,
@@ -54,6 +59,7 @@ class FakeModel:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        self.last_sampled: dict[str, int] = {}
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         size = self.block_size
@@ -61,6 +67,9 @@ class FakeModel:
             assert len(item.block_ids) == cdiv(item.start_position + len(item.token_ids), size)
             assert len(set(item.block_ids)) == len(item.block_ids)
             for offset, token in enumerate(item.token_ids):
+                if token == SAMPLED_IN_FLIGHT:
+                    assert offset == len(item.token_ids) - 1
+                    token = self.last_sampled[item.request_id]
                 position = item.start_position + offset
                 self.slots[item.block_ids[position // size] * size + position % size] = token
         sampled = {}
@@ -71,6 +80,7 @@ class FakeModel:
                     self.slots[item.block_ids[p // size] * size + p % size] for p in range(end)
                 ]
                 sampled[item.request_id] = next_token(context)
+        self.last_sampled = sampled
         return RunnerOutput(sampled)
 
 
@@ -85,6 +95,7 @@ class Harness:
         max_num_batched_tokens: int,
         connector: KVConnectorScheduler | None = None,
         policy: str = "fcfs",
+        async_scheduling: bool = False,
     ) -> None:
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy=policy)
         self.kv = KVCacheManager(num_blocks, block_size)
@@ -94,6 +105,8 @@ class Harness:
         self.finish_reasons: dict[str, str] = {}
         self.requests: dict[str, Request] = {}
         self.num_chunks_without_sampling = 0
+        self.async_scheduling = async_scheduling
+        self.in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
 
     def add(self, request_id: str, prompt: list[int], **params) -> Request:
         request = Request(
@@ -128,8 +141,21 @@ class Harness:
         runner_output = self.model.execute(scheduler_output)
         if between is not None:
             between()
-        self.collect(self.scheduler.update_from_output(scheduler_output, runner_output))
+        self.take_in_flight()  # the step before's, under async scheduling
+        self.in_flight = scheduler_output, runner_output
+        if not self.async_scheduling or scheduler_output.is_empty:
+            self.take_in_flight()
         return scheduler_output
+
+    def take_in_flight(self) -> None:
+        """Take the output of the step in flight, as the engine core does."""
+        if self.in_flight is not None:
+            step, self.in_flight = self.in_flight, None
+            self.scheduler.free_blocks_after_step()  # the step has ended
+            self.collect(self.scheduler.update_from_output(*step))
+
+    def has_work(self) -> bool:
+        return self.in_flight is not None or self.scheduler.has_work()
 
     def abort(self, request_ids: list[str]) -> None:
         outputs = self.scheduler.abort_requests(request_ids)
@@ -138,7 +164,7 @@ class Harness:
 
     def run_until_idle(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
-            if not self.scheduler.has_work():
+            if not self.has_work():
                 return
             self.step()
         raise AssertionError("the scheduler made no progress")
@@ -155,8 +181,13 @@ class Harness:
         for item in scheduler_output.requests:
             request = self.requests[item.request_id]
             assert request.status == RequestStatus.RUNNING
-            assert item.start_position == request.num_computed_tokens
-            assert item.sample == (item.start_position + len(item.token_ids) == request.num_tokens)
+            end = item.start_position + len(item.token_ids)
+            assert end == request.num_scheduled_tokens  # this step's tokens are in flight
+            # a sample is in flight with them: it reaches past the known tokens by the samples
+            # in flight before this one's
+            num_ahead = request.num_tokens + request.num_in_flight_samples
+            assert end == num_ahead - 1 if item.sample else end < num_ahead
+            assert request.num_in_flight_samples <= 1 + self.async_scheduling
         # Every block's ref count is the number of requests holding it; free ones are queued.
         holders = [0] * self.kv.num_blocks
         for blocks in self.kv.req_blocks.values():
@@ -164,7 +195,8 @@ class Harness:
                 holders[block.block_id] += 1
         assert [block.ref_count for block in self.kv.pool.blocks] == holders
         assert set(self.kv.pool.free_queue) == {i for i, n in enumerate(holders) if n == 0}
-        live = set(self.scheduler.requests) | self.scheduler.held_for_remote
+        scheduler = self.scheduler
+        live = set(scheduler.requests) | scheduler.held_for_remote | set(scheduler.freed_after_step)
         assert {rid for rid, blocks in self.kv.req_blocks.items() if blocks} <= live
 
 
@@ -438,10 +470,17 @@ def test_duplicate_request_id_is_refused():
         harness.add("r", [3, 4])
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_mix_finishes_right_and_frees_every_block(seed):
+def test_random_mix_finishes_right_and_frees_every_block(seed, async_scheduling):
     rng = random.Random(seed)
-    harness = Harness(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=16)
+    harness = Harness(
+        num_blocks=12,
+        block_size=4,
+        max_num_seqs=6,
+        max_num_batched_tokens=16,
+        async_scheduling=async_scheduling,
+    )
     shared_prefixes = [[rng.randrange(1, VOCAB) for _ in range(12)] for _ in range(3)]
     aborted: set[str] = set()
 
@@ -471,7 +510,7 @@ def test_random_mix_finishes_right_and_frees_every_block(seed):
             add(num_added)
             num_added += 1
         abort_some(0.02)
-        if harness.scheduler.has_work():
+        if harness.has_work():
             harness.step(between=lambda: abort_some(0.02))
     abort_some(0.2)
     harness.run_until_idle()

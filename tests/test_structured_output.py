@@ -57,9 +57,17 @@ def checkpoint(tiny_checkpoints, tokenizer, tmp_path_factory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def llm(checkpoint) -> LLM:
-    return LLM(str(checkpoint), device="cpu", num_kv_blocks=128, block_size=8)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(checkpoint, request) -> LLM:
+    """The engine, scheduling synchronously or asynchronously (whose steps with a grammar are
+    then taken at once: the next step's mask needs the token)."""
+    return LLM(
+        str(checkpoint),
+        device="cpu",
+        num_kv_blocks=128,
+        block_size=8,
+        async_scheduling=request.param,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -506,7 +506,7 @@ STUCK_STEP = textwrap.dedent(
         os.kill(rank.pid, signal.SIGKILL)
         time.sleep(600)
 
-    llm.core.executor.rank.runner.execute = stuck_step
+    llm.core.executor.rank.runner.launch = stuck_step
     llm.generate([[5, 6, 7]], greedy)
     print("the step returned")
     """

@@ -58,15 +58,15 @@ def install(core_module, faults: dict[str, int]) -> None:
         step_faults[faults["cuda"]] = (RuntimeError, "CUDA error: an illegal memory access")
     slow_token_id = faults.get("slow")
     if step_faults or slow_token_id is not None:
-        execute = executor_class.execute_model
+        launch = executor_class.launch_model
 
-        def failing_execute(self, scheduler_output):
+        def failing_launch(self, scheduler_output):
             for item in scheduler_output.requests:
                 for token_id, (error, message) in step_faults.items():
                     if token_id in item.prompt_token_ids:
                         raise error(message)
             if any(slow_token_id in item.prompt_token_ids for item in scheduler_output.requests):
                 time.sleep(SLOW_STEP_S)
-            return execute(self, scheduler_output)
+            return launch(self, scheduler_output)
 
-        executor_class.execute_model = failing_execute
+        executor_class.launch_model = failing_launch

@@ -174,6 +174,14 @@ class TensorParallelGroup:
         self.process_group.gather(outputs, [tensor], options).wait()
         return torch.cat(outputs[0], dim=-1) if self.is_first else None
 
+    def broadcast_from_first(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into every other rank's (same shape and dtype), in place."""
+        if self.size == 1:
+            return
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.process_group.broadcast([tensor], options).wait()
+
     @property
     def uses_nccl(self) -> bool:
         return self.process_group is not None and isinstance(

@@ -140,6 +140,13 @@ def add_engine_arguments(parser: argparse._ActionsContainer) -> None:
     )
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule each step while the GPU runs the one before, its sampled tokens read "
+        "on the GPU (the host's scheduling and output handling hidden behind the forward pass; "
+        "a step with a structured output or penalties still waits for its tokens)",
+    )
+    group.add_argument(
         "--piecewise-cuda-graph-max-tokens",
         type=int,
         default=2048,
@@ -214,6 +221,7 @@ def engine_config_from_args(args: argparse.Namespace, command: str):
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         busy_poll_s=args.busy_poll_s,
         seed=args.seed,

@@ -57,6 +57,8 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # on CUDA, every all-reduce through NCCL (not small ones over peer memory)
     disable_custom_all_reduce: bool = False
+    # schedule the next step while the device runs this one (vLLM's --async-scheduling)
+    async_scheduling: bool = False
 
     def resolved(self) -> EngineConfig:
         """Replace every "auto" by what it means on this machine, and check the values."""

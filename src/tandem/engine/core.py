@@ -3,6 +3,11 @@
     step():  take the connector's finished transfers -> schedule -> the executor runs the model
              (and the connector's loads/saves) -> update requests
 
+With async scheduling (`EngineConfig.async_scheduling`, vLLM's) the host's work overlaps the
+device's step: schedule n+1 -> launch n+1 -> wait for n's output -> update requests from n. A
+step whose output the next schedule needs (a grammar's or penalties' token) is taken at once, as
+is an empty one.
+
 The core reaches the model only through its `Executor` (tandem.executor), which it hands each
 step's `SchedulerOutput`, plain data; the executor loads the model and sizes the KV cache, the
 core keeps the block bookkeeping and every request's state.
@@ -22,13 +27,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.outputs import EngineCoreOutput, KVConnectorOutput
+from tandem.engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.engine.step_costs import DecodeStepCosts
@@ -60,6 +66,15 @@ def is_sticky_device_error(exc: BaseException) -> bool:
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True
     return "CUDA error" in str(exc)
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step the executor runs, its output not yet taken."""
+
+    scheduler_output: SchedulerOutput
+    request_ids: list[str]  # the requests its schedule took up (a failure fails them)
+    wait: Callable[[], RunnerOutput]
 
 
 def transfer_request_ids(report: KVConnectorOutput | None) -> list[str]:
@@ -125,6 +140,7 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.kv_spec, self.kv_worker, self.max_model_len)
         self.grammars = GrammarBackend(self.model_config.vocab_size)
         self.num_failed_steps = 0  # of several requests, in a row
+        self.step_in_flight: LaunchedStep | None = None  # async scheduling
         self.decode_step_costs = DecodeStepCosts()  # for the load report (a router's planner)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
@@ -184,17 +200,19 @@ class EngineCore:
         """Whether a step has something to do; raises ExecutorFailedError once a rank died,
         which ends an engine loop that asks, idle or not."""
         self.executor.check_health()
-        return self.scheduler.has_work()
+        return self.step_in_flight is not None or self.scheduler.has_work()
 
     def take_finished_transfers(self) -> list[EngineCoreOutput]:
         """Apply the KV transfers that ended since the last call; returns what they output (a
         handoff's first token, a failed load's error). step() starts with this."""
         report = None
+        outputs: list[EngineCoreOutput] = []
         try:
             report = self.kv_worker.get_finished()
-            return self.scheduler.update_from_connector(report)
+            outputs.extend(self.scheduler.update_from_connector(report))
         except Exception as exc:
-            return self._failed_step(exc, transfer_request_ids(report))
+            self._failed_step(exc, transfer_request_ids(report), outputs)
+        return outputs
 
     def step(self) -> list[EngineCoreOutput]:
         # Transfers first: a request whose KV has just arrived is scheduled in this step.
@@ -203,21 +221,60 @@ class EngineCore:
         return outputs
 
     def step_batch(self) -> list[EngineCoreOutput]:
-        """Schedule, run and update one batch, without taking finished transfers first."""
+        """Schedule and launch one batch, without taking finished transfers first; returns the
+        outputs of the step before (async scheduling), and of this one unless it is left in
+        flight."""
+        outputs: list[EngineCoreOutput] = []
+        try:
+            self._schedule_and_launch(outputs)
+        finally:
+            if self.step_in_flight is None:  # what finished meanwhile is no step's to write
+                self.scheduler.free_blocks_after_step()
+        return outputs
+
+    def _schedule_and_launch(self, outputs: list[EngineCoreOutput]) -> None:
         started = time.monotonic()
         try:
             scheduler_output = self.scheduler.schedule()
             self.decode_step_costs.record(scheduler_output, started)
-            runner_output = self.executor.execute_model(scheduler_output)
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            wait = self.executor.launch_model(scheduler_output)
         except Exception as exc:
-            return self._failed_step(exc, self.scheduler.step_request_ids)
-        self.num_failed_steps = 0
-        return outputs
+            request_ids = list(self.scheduler.step_request_ids)
+            self._take_step_in_flight(outputs)
+            self._failed_step(exc, request_ids, outputs)
+            return
+        launched = LaunchedStep(scheduler_output, list(self.scheduler.step_request_ids), wait)
+        self._take_step_in_flight(outputs)
+        self.step_in_flight = launched
+        if (
+            not self.config.async_scheduling
+            or scheduler_output.needs_sampled_tokens
+            or scheduler_output.is_empty  # nothing to wait for (an idle engine leaves none)
+        ):
+            self._take_step_in_flight(outputs)
 
-    def _failed_step(self, exc: Exception, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+    def _take_step_in_flight(self, outputs: list[EngineCoreOutput]) -> None:
+        """Wait for the step in flight, if any, and update its requests from its output (added
+        to `outputs`)."""
+        step, self.step_in_flight = self.step_in_flight, None
+        if step is None:
+            return
+        try:
+            runner_output = step.wait()
+            # what finished while it ran (their tokens in flight were this step's) can go now
+            self.scheduler.free_blocks_after_step()
+            outputs.extend(self.scheduler.update_from_output(step.scheduler_output, runner_output))
+        except Exception as exc:
+            self._failed_step(exc, step.request_ids, outputs)
+            return
+        self.num_failed_steps = 0
+
+    def _failed_step(
+        self, exc: Exception, request_ids: Iterable[str], outputs: list[EngineCoreOutput]
+    ) -> None:
         """A step raised: nothing pins it on one request, so its requests fail (their blocks and
-        leases freed) and the engine goes on, unless it cannot (FatalEngineError)."""
+        leases freed; their outputs added to `outputs`) and the engine goes on, unless it cannot
+        (FatalEngineError, with `outputs`)."""
         request_ids = list(dict.fromkeys(request_ids))
         if len(request_ids) > 1:  # one request's step failing is that request's fault
             self.num_failed_steps += 1
@@ -228,7 +285,7 @@ class EngineCore:
             exc_info=exc,
         )
         error = f"the engine's step that ran this request failed ({type(exc).__name__}: {exc})"
-        outputs = self.scheduler.take_failed_outputs()
+        outputs.extend(self.scheduler.take_failed_outputs())
         outputs.extend(self.scheduler.fail_request(request_id, error) for request_id in request_ids)
         if isinstance(exc, ExecutorFailedError):
             raise FatalEngineError(str(exc), outputs)
@@ -240,7 +297,6 @@ class EngineCore:
                 f"{type(exc).__name__}: {exc}",
                 outputs,
             )
-        return outputs
 
     def shutdown(self) -> None:
         self.kv_worker.shutdown()

@@ -160,7 +160,7 @@ def run_engine_core(
     try:
         while True:
             scheduler = core.scheduler
-            if scheduler.waiting or scheduler.running:
+            if scheduler.waiting or scheduler.running or core.step_in_flight:
                 timeout = 0
             elif scheduler.waiting_for_remote or scheduler.held_for_remote:
                 timeout = REMOTE_POLL_MS

@@ -8,6 +8,11 @@ Invariant: a `SchedulerOutput` is plain data (ids, token ids, positions, block t
 parameters, structured outputs' allowed-token bitmasks): no `Request`, no grammar state, nothing
 live, so it round-trips through msgspec and an executor of several ranks can broadcast it. Its
 lists may be the scheduler's own (no copies), which nothing changes while the step runs.
+
+Async scheduling: a step is scheduled while the step before still runs, so a decoding request's
+input token may be one that step is sampling, unknown to the host. Such a token is
+`SAMPLED_IN_FLIGHT` in `token_ids` (always the last): the runner takes it on the device from the
+step before's samples.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv.connector.base import KVTransferParams
+
+SAMPLED_IN_FLIGHT = -1  # a token id: the one the step before samples for this request
 
 
 @dataclass
@@ -41,6 +48,9 @@ class SchedulerOutput:
     requests: list[ScheduledRequest]
     num_batched_tokens: int
     kv_connector_metadata: Any = None
+    # a request of this step samples under a structured output or penalties, whose next step
+    # needs the token on the host first: async scheduling takes this step's output before the next
+    needs_sampled_tokens: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -3,6 +3,9 @@
 Phase-free bookkeeping: `num_computed_tokens` counts the tokens whose KV is in the cache (from
 the prefix cache, from a remote prefill, or computed here). The scheduler only ever asks how many
 of `all_token_ids` are not computed yet; prefill, chunked prefill and decode are the same thing.
+A step's tokens count once its output is taken; until then they are in flight
+(`num_in_flight_tokens`, and `num_in_flight_samples` tokens being sampled): nonzero between a
+schedule and its update, which under async scheduling the next schedule comes between.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_in_flight_tokens: int = 0  # scheduled in a step whose output is not taken yet
+    num_in_flight_samples: int = 0  # 0 or 1: that step samples the request's next token
     num_cached_tokens: int = 0  # prefix-cache hits at first scheduling (for metrics)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
@@ -91,6 +96,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Computed or in flight: where the next step's tokens start."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """The token a step in flight samples is the request's last by its length limits."""
+        outputs = self.num_output_tokens + self.num_in_flight_samples
+        return self.num_in_flight_samples > 0 and outputs >= self.max_output_tokens
 
     @property
     def max_output_tokens(self) -> int:

@@ -8,6 +8,11 @@ waiting queue, to be recomputed (its prefix blocks usually still hit the cache).
 priority policy both queues go in order of priority (`WaitingQueue`): the most urgent running
 request is scheduled first, the least urgent preempted first.
 
+Async scheduling: a running request with tokens in flight (output not yet taken) goes on from
+them, its next input the token in flight (`SAMPLED_IN_FLIGHT`), unless that is its last. One
+preempted since keeps that token; one that finishes keeps its blocks until the step has ended
+(`free_blocks_after_step`): a KV load into them must not race the step's writes.
+
 With a KV connector (PD), a waiting request may have its prompt's KV elsewhere: it gets its
 blocks, waits in WAITING_FOR_REMOTE_KV (outside the batch) until the connector reports the load,
 then those tokens count as computed. A finished request whose KV a remote decoder will read keeps
@@ -27,13 +32,13 @@ from dataclasses import dataclass
 
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.outputs import (
+    SAMPLED_IN_FLIGHT,
     EngineCoreOutput,
     HandedOffToken,
     KVConnectorOutput,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
-    TokenLogprobs,
 )
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.structured_output import follow_sampled, grammar_bitmasks
@@ -79,6 +84,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
         self.held_for_remote: set[str] = set()  # finished, blocks kept for a remote reader
+        self.freed_after_step: list[str] = []  # finished, blocks kept until the step in flight ends
         self.num_preemptions = 0
         # The last schedule's requests (scheduled, or their load begun), the one it was on if it
         # raised included; and the outputs of requests it failed alone, for the engine core.
@@ -103,6 +109,13 @@ class Scheduler:
         output = self._finish(request, RequestStatus.FINISHED_ERROR)
         output.error = error
         return output
+
+    def free_blocks_after_step(self) -> None:
+        """The step that was in flight has ended: free the blocks of the requests that finished
+        while it ran (the engine core calls this once it has waited for a step)."""
+        for request_id in self.freed_after_step:
+            self.kv.free(request_id)
+        self.freed_after_step = []
 
     def take_failed_outputs(self) -> list[EngineCoreOutput]:
         outputs, self.failed_outputs = self.failed_outputs, []
@@ -144,9 +157,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.ends_in_flight:  # its update finishes it
+                index += 1
+                continue
             self.step_request_ids.append(request.request_id)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            num_ahead = request.num_tokens + request.num_in_flight_samples
+            num_new = min(num_ahead - request.num_scheduled_tokens, budget)
+            while not self.kv.allocate_slots(request, request.num_in_flight_tokens + num_new):
                 victim = self._victim()
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -211,6 +228,7 @@ class Scheduler:
             requests=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             kv_connector_metadata=self.connector.build_connector_meta(scheduled),
+            needs_sampled_tokens=any(self._needs_sampled_token(item) for item in scheduled),
         )
 
     def update_from_output(
@@ -220,10 +238,16 @@ class Scheduler:
         self._follow_sampled(scheduler_output, runner_output)
         for item in scheduler_output.requests:
             request = self.requests.get(item.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request is None:
+                continue  # finished while the step ran
             try:
-                output = self._update(request, item, runner_output)
+                if request.status == RequestStatus.RUNNING:
+                    output = self._update(request, item, runner_output)
+                elif request.status == RequestStatus.PREEMPTED and item.sample:
+                    # preempted after the step began: it keeps the token, recomputes the rest
+                    output = self._take_token(request, runner_output)
+                else:
+                    continue
             except Exception as exc:
                 self._fail_alone(request, "its step's output could not be taken", exc)
                 continue
@@ -241,23 +265,20 @@ class Scheduler:
             recorded = len(request.prompt_logprobs) + 1  # prompt tokens 1 .. recorded - 1
             if first <= recorded:  # a recomputed prompt (after preemption) adds nothing
                 request.prompt_logprobs.extend(entries[recorded - first :])
-        token_id = runner_output.sampled_token_ids.get(item.request_id)
-        logprobs = runner_output.logprobs.get(item.request_id)
-        return self._advance(request, len(item.token_ids), token_id, logprobs)
-
-    def _advance(
-        self,
-        request: Request,
-        num_computed: int,
-        token_id: int | None,
-        logprobs: TokenLogprobs | None,
-    ) -> EngineCoreOutput | None:
-        """A step computed `num_computed` more of the request's tokens and maybe sampled the
-        next: count them, cache their full blocks, and take the token (None: a chunk)."""
-        request.num_computed_tokens += num_computed
+        # The step computed the request's tokens in flight: count them, cache their full blocks.
+        request.num_computed_tokens += len(item.token_ids)
+        request.num_in_flight_tokens -= len(item.token_ids)
         self.kv.cache_computed_blocks(request)
-        if token_id is None:
-            return None
+        if not item.sample:
+            return None  # a prompt's chunk
+        return self._take_token(request, runner_output)
+
+    def _take_token(self, request: Request, runner_output: RunnerOutput) -> EngineCoreOutput:
+        """Append the token the step sampled for the request; its output (its end, if the token
+        ends it)."""
+        request.num_in_flight_samples -= 1
+        token_id = runner_output.sampled_token_ids[request.request_id]
+        logprobs = runner_output.logprobs.get(request.request_id)
         request.output_token_ids.append(token_id)
         status = request.check_stop()
         if status is None:
@@ -269,7 +290,6 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens,
             )
         else:
-            self.running.remove(request)
             output = self._finish(request, status)
             output.new_token_ids = [token_id]
             output.new_logprobs = [logprobs] if logprobs else None
@@ -281,18 +301,36 @@ class Scheduler:
     # -- internals -------------------------------------------------------------------------------
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
+        """The next num_new tokens of the request, from its tokens in flight on; they are in
+        flight from here until this step's update."""
+        start = request.num_scheduled_tokens
+        token_ids = request.token_slice(start, start + num_new)
+        if len(token_ids) < num_new:  # the last is the token the step in flight samples
+            token_ids.append(SAMPLED_IN_FLIGHT)
+        sample = start + num_new == request.num_tokens + request.num_in_flight_samples
+        output_index = request.num_output_tokens + request.num_in_flight_samples
+        request.num_in_flight_tokens += num_new
+        request.num_in_flight_samples += sample
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_slice(start, start + num_new),
+            token_ids=token_ids,
             start_position=start,
             block_ids=list(self.kv.block_ids(request.request_id)),
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
             sampling_params=request.sampling_params,
-            output_index=request.num_output_tokens,
+            output_index=output_index,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
         )
+
+    def _needs_sampled_token(self, item: ScheduledRequest) -> bool:
+        """Whether the request's next step needs the token this one samples on the host first:
+        its structured output's grammar follows it (active or waiting for its start), its
+        penalties count it."""
+        if not item.sample:
+            return False
+        grammar = self.requests[item.request_id].grammar
+        return grammar is not None or item.sampling_params.penalizes_history
 
     def _add_grammar_bitmasks(self, scheduled: list[ScheduledRequest]) -> None:
         """The allowed tokens of the structured outputs that sample in this step, computed here
@@ -338,6 +376,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_in_flight_tokens = 0  # their KV is dropped; a token in flight is kept
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -356,6 +395,8 @@ class Scheduler:
         )
         if delay_free:
             self.held_for_remote.add(request.request_id)
+        elif request.num_in_flight_tokens:
+            self.freed_after_step.append(request.request_id)
         else:
             self.kv.free(request.request_id)
         grammar_error = request.grammar.error if request.grammar is not None else None

@@ -4,7 +4,9 @@
     kv_spec = executor.determine_kv_cache()           how many KV blocks fit (profiled on CUDA)
     executor.initialize_kv_cache(kv_spec, connector, max_model_len)
                                                       allocates the cache, captures CUDA graphs
-    executor.execute_model(scheduler_output) -> RunnerOutput      once per step
+    wait = executor.launch_model(scheduler_output)                 once per step
+    wait() -> RunnerOutput                     waits for the step (after the next is launched,
+                                               under async scheduling)
     executor.check_health()                           raises ExecutorFailedError once a rank died
     executor.shutdown()
 
@@ -19,6 +21,7 @@ Invariants: the engine core talks to the model only through this interface; a st
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,8 +49,15 @@ class Executor(abc.ABC):
         to run batches of sequences up to max_model_len tokens (CUDA graphs)."""
 
     @abc.abstractmethod
+    def launch_model(self, scheduler_output: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        """Start one step (the forward pass of the scheduled tokens and their samples) without
+        waiting for the device; returns the function that waits for its output. Steps run in
+        the order launched; a step may take, on the device, the tokens the one before sampled
+        (`SAMPLED_IN_FLIGHT`)."""
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step: the forward pass of the scheduled tokens and their samples."""
+        """Run one step and wait for its output."""
+        return self.launch_model(scheduler_output)()
 
     def check_health(self) -> None:  # noqa: B027 (one rank in this process cannot fail alone)
         """Raise ExecutorFailedError when the executor cannot run another step."""

@@ -6,7 +6,8 @@ a pinned host buffer of the same layout (no per-step allocation, pinning or smal
 padding the batch up to the next captured size:
 
     rows  0 .. n-1        the real requests
-    rows  n .. size-1     padding: slot -1 (store nothing), context length 1, block table of 0s
+    rows  n .. size-1     padding: token 0, slot -1 (store nothing), context length 1, block
+                          table of 0s
 
     token inputs (int64)       [input_ids | positions | slot_mapping], max_batch each
     sequence inputs (int32)    [seq_lens (max_batch) | block_tables (max_batch x max_blocks)]
@@ -116,9 +117,10 @@ class DecodeGraphs:
         self.inputs[:num_bytes].copy_(self.staging[:num_bytes], non_blocking=True)
         self.staging_free.record()
 
-    def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor | None:
-        """Logits [len(requests), vocab] of a decode-only batch (one token per request); None
-        on a tensor-parallel rank other than the first, which only takes part."""
+    def load(self, requests: Sequence[ScheduledRequest]) -> int:
+        """Put a decode-only batch (one token per request) into the graphs' inputs, row by row
+        (a token SAMPLED_IN_FLIGHT left for the caller to write into `input_ids` on the
+        device); returns the size of the graph that runs it."""
         num_seqs = len(requests)
         size = next(s for s in self.sizes if s >= num_seqs)
         block_size = self.block_size
@@ -131,10 +133,16 @@ class DecodeGraphs:
             self.staged_slots[row] = slot_of(block_ids, position, block_size)
             self.staged_seq_lens[row] = position + 1
             self.staged_block_tables[row, : len(block_ids)] = block_ids
+        self.staged_ids[num_seqs:size] = 0  # not an earlier step's SAMPLED_IN_FLIGHT
         self.staged_slots[num_seqs:size] = -1
         self.staged_seq_lens[num_seqs:size] = 1
         self.staged_block_tables[num_seqs:size, 0] = 0
         self._upload(size)
+        return size
+
+    def replay(self, size: int, num_seqs: int) -> torch.Tensor | None:
+        """Logits [num_seqs, vocab] of the batch `load` put in; None on a tensor-parallel rank
+        other than the first, which only takes part."""
         self.graphs[size].replay()
-        logits = self.logits[size]  # None on a tensor-parallel rank other than the first
+        logits = self.logits[size]
         return None if logits is None else logits[:num_seqs]

@@ -15,13 +15,13 @@ needs no second, CPU-side process group next to NCCL's; and a dead rank cannot b
 Failures: a rank that fails to start fails the engine's start with its error. A monitor thread
 waits on the rank processes; when one exits, the executor has failed (`check_health` raises
 `ExecutorFailedError`, which ends the engine, idle or mid-step: gloo's pending collective raises
-at once, NCCL's is aborted). A death in the middle of a step also arms faulthandler's watchdog,
-which runs outside the interpreter: a step still running STUCK_STEP_EXIT_S later waits on the GPU
-for the dead rank (the peer-memory kernels have no timeout; NCCL's abort then hangs too), so the
-watchdog writes every thread's stack to stderr and ends the process (code 1). Shutdown, or the
-executor's end without it (an offline engine at the interpreter's exit), stops every rank
-(Shutdown, then SIGKILL; ranks ignore SIGINT and SIGTERM, which a terminal or a supervisor sends
-the worker's whole process group), and the ranks die with the engine core in any case.
+at once, NCCL's is aborted). A death in a step (its launch, or the wait for its output) also
+arms faulthandler's watchdog, outside the interpreter: a step still running STUCK_STEP_EXIT_S
+later waits on the GPU for the dead rank (peer-memory kernels have no timeout; NCCL's abort then
+hangs too), so it writes every thread's stack to stderr and ends the process (code 1).
+Shutdown, or the executor's end without it (an offline engine at the interpreter's exit), stops
+every rank (Shutdown, then SIGKILL; ranks ignore SIGINT and SIGTERM, which a terminal or a
+supervisor sends the worker's whole process group); the ranks die with the engine core anyway.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -67,6 +68,7 @@ from tandem.kv.connector.base import KVConnectorWorker
 from tandem.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 REPLY_POLL_MS = 100  # while waiting on the ranks: how often to look whether one died
 STOP_TIMEOUT_S = 5.0  # a rank told to stop gets this long, then SIGKILL
@@ -141,12 +143,22 @@ class MultiprocExecutor(Executor):
         self.rank.initialize_kv_cache(kv_spec.num_blocks, connector, max_model_len)
         self._wait_replies("allocate its KV cache")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        with self.monitor.step():
-            self.check_health()  # within the step: a death from here on arms the watchdog
+    def launch_model(self, scheduler_output: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        def launch() -> Callable[[], RunnerOutput]:
             self._send(for_other_ranks(scheduler_output, self.block_tables))
+            return self.rank.runner.launch(scheduler_output)
+
+        wait = self._in_step(launch)
+        return lambda: self._in_step(wait)
+
+    def _in_step(self, call: Callable[[], T]) -> T:
+        """call() as a part of rank 0's step, which a rank's death from here on arms the
+        watchdog against; a rank found dead, before or by an exception, raises
+        ExecutorFailedError."""
+        with self.monitor.step():
+            self.check_health()
             try:
-                return self.rank.runner.execute(scheduler_output)
+                return call()
             except Exception as exc:
                 deadline = time.monotonic() + DEATH_GRACE_S
                 while self.failure is None and time.monotonic() < deadline:

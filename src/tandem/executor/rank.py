@@ -28,7 +28,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import ScheduledRequest, SchedulerOutput, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.executor.runner import KVCacheSpec, ModelRunner, plan_kv_cache
-from tandem.executor.sampler import Sampler
+from tandem.executor.sampler import HostCopy, SampledTokens, Sampler
 from tandem.kv.connector.base import KVConnectorWorker, RankKVTransfer
 from tandem.models.loader import ModelSource, load_model
 
@@ -183,12 +183,15 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 class NoSampling:
     """A rank other than 0 computes no logits (they are gathered on rank 0): its runner's
-    sampler does nothing and answers placeholders that nobody reads."""
+    sampler samples nothing and answers a buffer of zeros (into which rank 0's samples are
+    broadcast under async scheduling) that the host never reads."""
 
-    def __call__(
-        self, logits: None, requests: Sequence[ScheduledRequest]
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        return [0] * len(requests), [None] * len(requests)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, logits: None, requests: Sequence[ScheduledRequest]) -> SampledTokens:
+        token_ids = torch.zeros(len(requests), dtype=torch.int64, device=self.device)
+        return SampledTokens(token_ids, HostCopy([]), [], [])
 
     @staticmethod
     def logprobs_of(logits: None, token_ids: Sequence[int], count: int) -> list[TokenLogprobs]:
@@ -228,7 +231,7 @@ class Rank:
         sampler = (
             Sampler(self.source.config.eos_token_ids, self.config.seed)
             if self.tp.is_first
-            else NoSampling()
+            else NoSampling(self.device)
         )
         self.runner = ModelRunner(
             self.model,
@@ -239,4 +242,6 @@ class Rank:
             cuda_graph_max_batch=0 if self.config.enforce_eager else self.config.max_num_seqs,
             max_seq_len=max_model_len,
             piecewise_graph_max_tokens=0,
+            async_scheduling=self.config.async_scheduling,
+            tp=self.tp,
         )

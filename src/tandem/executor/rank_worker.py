@@ -100,8 +100,8 @@ def serve(inputs: zmq.Socket, model_rank: Rank, reply) -> None:
                 # outside the try: tables out of step with rank 0's end this rank (its exit
                 # fails the executor) rather than run a step on wrong blocks
                 scheduler_output = block_tables.restore(message)
-                try:
-                    model_rank.runner.execute(scheduler_output)
+                try:  # queued on the device; nothing here waits for it
+                    model_rank.runner.launch(scheduler_output)
                 except Exception:  # rank 0's step raised alike: its requests fail there
                     logger.error("a step failed:\n%s", traceback.format_exc())
             case PlanKVCache():

@@ -2,6 +2,11 @@
 model (any `tandem.models.base.CausalLM`), samples, and drives the KV connector's worker-side
 hooks around the forward pass. The uniprocess executor calls it; the engine core never does.
 
+`launch` queues a step on the device and returns without waiting for it; the function it returns
+waits for the samples. Under async scheduling the runner keeps each step's samples on the device
+(on every rank: rank 0 broadcasts them) for the next step, whose inputs may name them
+(`SAMPLED_IN_FLIGHT`).
+
 KV cache layout (one tensor for all layers, so a transfer can gather across layers in bulk):
 
     kv_cache[layer, 0 = key | 1 = value, block_id, offset_in_block, kv_head, head_dim]
@@ -9,15 +14,23 @@ KV cache layout (one tensor for all layers, so a transfer can gather across laye
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from tandem.attention.base import AttentionMetadata
+from tandem.distributed.group import TensorParallelGroup
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache_manager import slot_of
-from tandem.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from tandem.engine.outputs import (
+    SAMPLED_IN_FLIGHT,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from tandem.executor.input_staging import InputStaging
 from tandem.executor.sampler import Sampler
 from tandem.kv.connector.base import KVConnectorWorker
@@ -128,6 +141,8 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         max_seq_len: int = 0,
         piecewise_graph_max_tokens: int = 0,
+        async_scheduling: bool = False,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.model = model
         self.kv_spec = kv_spec
@@ -136,6 +151,12 @@ class ModelRunner:
         self.connector = connector
         self.kv_cache = torch.zeros(kv_spec.shape, dtype=kv_spec.dtype, device=device)
         self.input_staging = InputStaging(device)
+        # Async scheduling: the last step's samples on the device, each request's row in them.
+        self.async_scheduling = async_scheduling
+        self.tp = tp or TensorParallelGroup.single()
+        self.last_sampled: torch.Tensor | None = None
+        self.last_sampled_rows: dict[str, int] = {}
+        self.in_flight_staging = InputStaging(device)
         connector.register_kv_cache(self.kv_cache)
         self.decode_graphs = None
         # graphs capture the fused kernels' path (the torch paths wait on the host)
@@ -209,6 +230,8 @@ class ModelRunner:
         )
         token_inputs_gpu, sample_rows_gpu = uploaded[torch.int64]
         token_inputs_gpu = token_inputs_gpu.view(3, width)
+        last_tokens = [end - 1 for end in query_start_loc[1:]]
+        self._take_sampled_in_flight(token_inputs_gpu[0], requests, last_tokens)
         query_start_loc_gpu, seq_lens_gpu, block_tables_gpu = uploaded[torch.int32]
         metadata = AttentionMetadata(
             slot_mapping=token_inputs_gpu[2, :num_tokens],
@@ -219,6 +242,27 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         return token_inputs_gpu, metadata, sample_rows_gpu
+
+    def _take_sampled_in_flight(
+        self, input_ids: torch.Tensor, requests: Sequence[ScheduledRequest], last: Iterable[int]
+    ) -> None:
+        """Write into input_ids (on the device), at the index of each request's last token
+        (`last`), the token the step before sampled for it, where the request's last token is
+        SAMPLED_IN_FLIGHT."""
+        targets, sources = [], []
+        for request, index in zip(requests, last, strict=True):
+            if request.token_ids[-1] == SAMPLED_IN_FLIGHT:
+                row = self.last_sampled_rows.get(request.request_id)
+                if row is None:
+                    raise RuntimeError(
+                        f"request {request.request_id} takes a token the step before did not sample"
+                    )
+                targets.append(index)
+                sources.append(row)
+        if targets:
+            uploaded = self.in_flight_staging.upload({torch.int64: (targets, sources)})
+            targets_gpu, sources_gpu = uploaded[torch.int64]
+            input_ids.index_copy_(0, targets_gpu, self.last_sampled.index_select(0, sources_gpu))
 
     def _graph_can_run(self, scheduler_output: SchedulerOutput) -> bool:
         """A captured graph runs decode-only batches that fit it, when no layer-wise KV save has
@@ -275,13 +319,19 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        """Queue the step on the device; returns the function that waits for its output."""
         connector_meta = scheduler_output.kv_connector_metadata
         self.connector.start_load_kv(connector_meta)
         output = RunnerOutput()
+        to_sample, sampled = [], None
         if scheduler_output.requests:
             if self._graph_can_run(scheduler_output):
-                logits = self.decode_graphs.run(scheduler_output.requests)
+                requests = scheduler_output.requests
+                size = self.decode_graphs.load(requests)
+                rows = range(len(requests))
+                self._take_sampled_in_flight(self.decode_graphs.input_ids, requests, rows)
+                logits = self.decode_graphs.replay(size, len(requests))
             else:
                 hidden, sample_rows = self._forward(scheduler_output)
                 logits = None
@@ -293,9 +343,25 @@ class ModelRunner:
             self.connector.wait_for_save(connector_meta)
             to_sample = [r for r in scheduler_output.requests if r.sample]
             if to_sample:
-                token_ids, logprobs = self.sampler(logits, to_sample)
+                sampled = self.sampler(logits, to_sample)
+        if self.async_scheduling:
+            self._keep_samples(to_sample, sampled)
+
+        def wait() -> RunnerOutput:
+            if sampled is not None:
+                token_ids, logprobs = sampled.result()
                 for request, token_id, lp in zip(to_sample, token_ids, logprobs, strict=True):
                     output.sampled_token_ids[request.request_id] = token_id
                     if lp is not None:
                         output.logprobs[request.request_id] = lp
-        return output
+            return output
+
+        return wait
+
+    def _keep_samples(self, to_sample: list[ScheduledRequest], sampled) -> None:
+        """Keep the step's samples on the device for the next step (on every rank)."""
+        self.last_sampled_rows = {request.request_id: row for row, request in enumerate(to_sample)}
+        self.last_sampled = None
+        if sampled is not None:
+            self.tp.broadcast_from_first(sampled.token_ids)
+            self.last_sampled = sampled.token_ids

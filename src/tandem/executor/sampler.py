@@ -12,11 +12,17 @@ for the same output index.
 
 Logprobs are those of the model's raw distribution (before bias, penalties, temperature and
 masks).
+
+The sampler does not wait for the device: its parameters go up from pinned memory without a
+wait, and it answers `SampledTokens`, the tokens on the device (the next step may read them
+there) with their copy to the host under way; `result()` waits for that copy. (Penalties, whose
+steps are never left in flight, still build their counts with a wait.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +37,61 @@ _MASK63 = (1 << 63) - 1
 def seeded_generator(seed: int, output_index: int, device: torch.device) -> torch.Generator:
     mixed = (seed * _SEED_MIX + output_index * 0xBF58476D1CE4E5B9 + 1) & _MASK63
     return torch.Generator(device=device).manual_seed(mixed)
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device, without waiting for the work queued there (a plain
+    `torch.tensor(values, device=...)` from pageable memory waits for it)."""
+    on_cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=on_cuda).to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Tensors copied from the device to the host without waiting; `wait()` gives the host
+    tensors once the copy (queued after everything before it) is done."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.done = None
+        if self.tensors and self.tensors[0].is_cuda:
+            self.tensors = [
+                torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(
+                    tensor, non_blocking=True
+                )
+                for tensor in self.tensors
+            ]
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tensors
+
+
+@dataclass
+class SampledTokens:
+    """A step's samples: the token ids on the device ([rows] int64), their copy to the host
+    and that of the logprobs the rows asked for (`result()` waits for them)."""
+
+    token_ids: torch.Tensor
+    host: HostCopy
+    logprob_rows: list[int]  # the rows that asked for logprobs, and how many top entries each
+    logprob_counts: list[int]
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        token_ids, *logprob_parts = self.host.wait()
+        token_ids = token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if self.logprob_rows:
+            chosen_ids = [token_ids[row] for row in self.logprob_rows]
+            entries = logprob_entries_on_host(chosen_ids, *logprob_parts)
+            for row, count, entry in zip(
+                self.logprob_rows, self.logprob_counts, entries, strict=True
+            ):
+                entry.top = entry.top[:count]
+                logprobs[row] = entry
+        return token_ids, logprobs
 
 
 class Sampler:
@@ -49,9 +110,8 @@ class Sampler:
         self,
         logits: torch.Tensor,
         requests: Sequence[ScheduledRequest],
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    ) -> SampledTokens:
         """logits: [N, vocab] float32, one row per request in `requests`."""
-        num_rows = logits.shape[0]
         device = logits.device
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
@@ -67,11 +127,9 @@ class Sampler:
 
         sampled = logits.argmax(dim=-1)
         if not all(p.is_greedy for p in params):
-            greedy = torch.tensor([p.is_greedy for p in params], device=device)
-            temperature = torch.tensor(
-                [p.temperature if p.temperature > 0 else 1.0 for p in params],
-                device=device,
-                dtype=logits.dtype,
+            greedy = to_device([p.is_greedy for p in params], torch.bool, device)
+            temperature = to_device(
+                [p.temperature if p.temperature > 0 else 1.0 for p in params], logits.dtype, device
             )
             scaled = self._apply_masks(logits / temperature[:, None], params)
             probs = torch.softmax(scaled, dim=-1)
@@ -86,18 +144,13 @@ class Sampler:
             drawn = (probs / noise).argmax(dim=-1)
             sampled = torch.where(greedy, sampled, drawn)
 
-        token_ids = sampled.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        rows, counts, logprob_parts = [], [], []
         if raw_logprobs is not None:
             rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
             counts = [requests[row].sampling_params.logprobs for row in rows]
-            entries = logprob_entries(
-                raw_logprobs[rows], [token_ids[row] for row in rows], max(counts)
-            )
-            for row, count, entry in zip(rows, counts, entries, strict=True):
-                entry.top = entry.top[:count]
-                logprobs[row] = entry
-        return token_ids, logprobs
+            index = to_device(rows, torch.int64, device)
+            logprob_parts = logprob_tensors(raw_logprobs[index], sampled[index], max(counts))
+        return SampledTokens(sampled, HostCopy([sampled, *logprob_parts]), rows, counts)
 
     @staticmethod
     @torch.inference_mode()
@@ -106,23 +159,31 @@ class Sampler:
     ) -> list[TokenLogprobs]:
         """The raw logprob of token_ids[i] under row i of logits, its rank and the row's top
         `count` (prompt positions)."""
-        return logprob_entries(torch.log_softmax(logits.float(), dim=-1), token_ids, count)
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        ids = to_device(token_ids, torch.int64, raw.device)
+        return logprob_entries_on_host(
+            token_ids, *HostCopy(logprob_tensors(raw, ids, count)).wait()
+        )
 
     def _suppress_early_stops(
         self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
     ) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be drawn."""
         rows = [i for i, r in enumerate(requests) if r.output_index < r.sampling_params.min_tokens]
-        if not rows:
-            return logits
-        logits = logits.clone()
+        banned_rows, banned_ids = [], []
         for row in rows:
             params = requests[row].sampling_params
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += self.eos_token_ids
-            if banned:
-                logits[row, banned] = float("-inf")
+            banned_rows += [row] * len(banned)
+            banned_ids += banned
+        if not banned_ids:
+            return logits
+        logits = logits.clone()
+        at = (to_device(banned_rows, torch.int64, logits.device),
+              to_device(banned_ids, torch.int64, logits.device))  # fmt: skip
+        logits.index_put_(at, torch.tensor(float("-inf"), device=logits.device))
         return logits
 
     @staticmethod
@@ -138,8 +199,8 @@ class Sampler:
         device = logits.device
         biased = logits.clone()
         biased.index_put_(
-            (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)),
-            torch.tensor(biases, device=device, dtype=logits.dtype),
+            (to_device(rows, torch.int64, device), to_device(token_ids, torch.int64, device)),
+            to_device(biases, logits.dtype, device),
             accumulate=True,
         )
         return biased
@@ -183,35 +244,32 @@ class Sampler:
         device = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
-        remove = ranks >= torch.tensor(top_k, device=device)[:, None]
+        remove = ranks >= to_device(top_k, torch.int64, device)[:, None]
         sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs
-        remove |= cumulative > torch.tensor(top_p, device=device, dtype=logits.dtype)[:, None]
-        threshold = (
-            sorted_probs[:, :1] * torch.tensor(min_p, device=device, dtype=logits.dtype)[:, None]
-        )
+        remove |= cumulative > to_device(top_p, logits.dtype, device)[:, None]
+        threshold = sorted_probs[:, :1] * to_device(min_p, logits.dtype, device)[:, None]
         remove |= sorted_probs < threshold
         remove[:, 0] = False  # the most likely token always stays
         masked = sorted_logits.masked_fill(remove, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, masked)
 
 
-def logprob_entries(raw: torch.Tensor, token_ids: Sequence[int], count: int) -> list[TokenLogprobs]:
-    """One entry per row of `raw` (log-softmax values [rows, vocab]): the logprob of
-    token_ids[i], its rank (1: the likeliest) and the row's top `count` (none for 0), brought
-    to the host together."""
-    ids = torch.tensor(token_ids, device=raw.device)
-    chosen = raw.gather(1, ids[:, None])
-    ranks = (raw > chosen).sum(dim=-1) + 1
+def logprob_tensors(
+    raw: torch.Tensor, token_ids: torch.Tensor, count: int
+) -> tuple[torch.Tensor, ...]:
+    """For each row of `raw` (log-softmax values [rows, vocab]), on its device: the logprob of
+    token_ids[i], its rank (1: the likeliest), and the row's top `count` ids and logprobs."""
+    chosen = raw.gather(1, token_ids[:, None])[:, 0]
+    ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
     top_values, top_ids = raw.topk(count, dim=-1)
-    rows = zip(
-        token_ids,
-        chosen[:, 0].tolist(),
-        ranks.tolist(),
-        top_ids.tolist(),
-        top_values.tolist(),
-        strict=True,
-    )
+    return chosen, ranks, top_ids, top_values
+
+
+def logprob_entries_on_host(token_ids: Sequence[int], *parts: torch.Tensor) -> list[TokenLogprobs]:
+    """`logprob_tensors`' parts, on the host, as one entry per row."""
+    chosen, ranks, top_ids, top_values = (part.tolist() for part in parts)
+    rows = zip(token_ids, chosen, ranks, top_ids, top_values, strict=True)
     return [
         TokenLogprobs(token_id, logprob, list(zip(top, values, strict=True)), rank)
         for token_id, logprob, rank, top, values in rows

@@ -7,6 +7,8 @@ worker side (the engine core keeps the scheduler side).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tandem.attention.base import get_backend
@@ -54,10 +56,11 @@ class UniprocessExecutor(Executor):
             piecewise_graph_max_tokens=0
             if eager
             else min(config.piecewise_cuda_graph_max_tokens, config.max_num_batched_tokens),
+            async_scheduling=config.async_scheduling,
         )
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        return self.runner.execute(scheduler_output)
+    def launch_model(self, scheduler_output: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        return self.runner.launch(scheduler_output)
 
     def shutdown(self) -> None:
         self.runner = None  # the KV cache and the graphs go with it
