@@ -32,6 +32,7 @@ from pd_fixtures import (
     run_pd_and_direct,
     running_routers,
     running_workers,
+    token_prompt,
     wait_for_value,
     wait_until,
     with_defaults,
@@ -224,7 +225,8 @@ def test_transfer_metrics_on_both_sides(client, trio):
         (decode, "tandem_kv_transfer_seconds_count"),
     ]
     before = [metric(worker, name) for worker, name in names]
-    prompt = PROMPTS[5] + PROMPTS[2]  # 117 tokens, new to every worker: 8 blocks
+    # 117 tokens new to every worker (whichever tests ran before): 8 blocks
+    prompt = token_prompt(5, 117, 300, 20000)
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0}
     run_pd(client, prefill.url, decode.url, "/v1/completions", body)
     num_blocks = 8
