@@ -164,14 +164,17 @@ def random_requests(core: EngineCore, seed: int = 0) -> Callable[[str, int, int]
 
 
 def prefill_step_s(core: EngineCore, request, length: int, rounds: int = 4) -> float:
-    """Median host seconds of the step that prefills a `length`-token prompt, over `rounds`
-    prompts after the first (a warm-up), each run to its end before the next."""
+    """Median host seconds of the step that prefills a `length`-token prompt (until its token is
+    out: under async scheduling, the next step's call takes it), over `rounds` prompts after the
+    first (a warm-up), each run to its end before the next."""
     times = []
     for index in range(rounds):
-        core.add_request(request(f"prefill-{index}", length, 1))
+        request_id = f"prefill-{index}"
+        core.add_request(request(request_id, length, 1))
         torch.cuda.synchronize()
         start = time.perf_counter()
-        core.step()
+        while not any(output.request_id == request_id for output in core.step()):
+            pass
         times.append(time.perf_counter() - start)
         run_steps_until_done(core)
     return statistics.median(times[1:])
@@ -207,13 +210,17 @@ def end_child(result: dict) -> NoReturn:
 
 
 def step_times_until_done(core: EngineCore) -> list[float]:
-    """Host seconds of every step until the engine has no work, the device synchronised first."""
+    """Seconds from each step's return to the next's until the engine has no work (the device
+    synchronised before the first): a step's share of the wall time, whether the engine waits
+    for each step (then the device is idle when the next starts) or schedules asynchronously."""
+    torch.cuda.synchronize()
     times = []
+    last = time.perf_counter()
     while core.has_work():
-        torch.cuda.synchronize()
-        start = time.perf_counter()
         core.step()
-        times.append(time.perf_counter() - start)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
     return times
 
 

@@ -1,9 +1,11 @@
 """Tensor parallelism on GPUs: the Llama-3.1-8B shape (dummy weights, bf16) at TP=1, 2 and 4.
 
-    python benchmarks/tensor_parallel.py --out tp.json [--configs tp1 tp2 tp2-nccl tp2-eager tp4]
+    python benchmarks/tensor_parallel.py --out tp.json [--configs tp1 tp2 tp2-nccl tp2-eager tp4
+                                                              tp1-async tp2-async]
 
 For each configuration (TP=1 with decode CUDA graphs; TP=2 with them, its small all-reduces over
-peer memory; the same with every all-reduce on NCCL; TP=2 eager; TP=4 as TP=2, on four GPUs),
+peer memory; the same with every all-reduce on NCCL; TP=2 eager; TP=4 as TP=2, on four GPUs;
+TP=1 and TP=2 with async scheduling),
 in a process of its own so each starts on empty GPUs: the wall time of one 8192-token prefill
 step and of one decode step at batch 1 (context 128 to 288), medians after warm-up, the GPU time
 of rank 0's decode graph within the step (CUDA events around its replay; the rest of the step is
@@ -38,13 +40,15 @@ from gpu_suite import (  # this script's folder is on sys.path when it runs
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
 
-# name: (tensor-parallel size, enforce_eager, disable_custom_all_reduce)
+# name: (tensor-parallel size, enforce_eager, disable_custom_all_reduce, async_scheduling)
 CONFIGS = {
-    "tp1": (1, False, False),
-    "tp2": (2, False, False),
-    "tp2-nccl": (2, False, True),
-    "tp2-eager": (2, True, False),
-    "tp4": (4, False, False),
+    "tp1": (1, False, False, False),
+    "tp2": (2, False, False, False),
+    "tp2-nccl": (2, False, True, False),
+    "tp2-eager": (2, True, False, False),
+    "tp4": (4, False, False, False),
+    "tp1-async": (1, False, False, True),
+    "tp2-async": (2, False, False, True),
 }
 PROMPT = 8192
 LOADED_BATCHES = (32, 64)
@@ -76,7 +80,7 @@ def median_ms(events: list) -> float | None:
 
 
 def measure(name: str) -> dict:
-    size, eager, nccl_only = CONFIGS[name]
+    size, eager, nccl_only, async_scheduling = CONFIGS[name]
     limits = ceilings(peer_copy=False)  # GPU 1 is rank 1's
     core = EngineCore(
         EngineConfig(
@@ -86,6 +90,7 @@ def measure(name: str) -> dict:
             tensor_parallel_size=size,
             enforce_eager=eager,
             disable_custom_all_reduce=nccl_only,
+            async_scheduling=async_scheduling,
             max_num_batched_tokens=PROMPT,
             max_num_seqs=max(LOADED_BATCHES),
             max_model_len=16384,
@@ -121,6 +126,14 @@ def measure(name: str) -> dict:
     }
 
 
+def decode_ratios(row: dict, base: dict) -> str:
+    ratios = [
+        f"b{batch} {row[f'decode_step_b{batch}_ms'] / base[f'decode_step_b{batch}_ms']:.2f}x"
+        for batch in (1, *LOADED_BATCHES)
+    ]
+    return f"decode step {', '.join(ratios)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -147,15 +160,14 @@ def main() -> None:
                 for b in LOADED_BATCHES
             )
         )
-    tp1 = results.get("tp1")
     for name, row in results.items():
-        if tp1 and name != "tp1":
-            prefill = row["prefill_8192_ms"] / tp1["prefill_8192_ms"]
-            decode = [
-                f"b{batch} {row[f'decode_step_b{batch}_ms'] / tp1[f'decode_step_b{batch}_ms']:.2f}x"
-                for batch in (1, *LOADED_BATCHES)
-            ]
-            print(f"{name} / tp1: prefill {prefill:.2f}x, decode step {', '.join(decode)}")
+        base_name = "tp1-async" if name.endswith("-async") else "tp1"  # the same scheduling
+        base = results.get(base_name)
+        if base and name != base_name:
+            prefill = row["prefill_8192_ms"] / base["prefill_8192_ms"]
+            print(f"{name} / {base_name}: prefill {prefill:.2f}x, {decode_ratios(row, base)}")
+    if "tp1" in results and "tp1-async" in results:
+        print(f"tp1-async / tp1: {decode_ratios(results['tp1-async'], results['tp1'])}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 
