@@ -27,7 +27,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.request import Request
-from tiny_models import varied_prompts
+from tiny_models import assert_same_generations, mixed_sampling, varied_prompts
 
 MODEL = "llama-gqa"
 PROMPTS = varied_prompts(seed=5)
@@ -89,37 +89,11 @@ def test_greedy_matches_transformers_and_synchronous_scheduling(engines, referen
 def test_sampling_logprobs_and_penalties_match_synchronous_scheduling(engines):
     """Seeded sampling draws by (seed, output index), which the scheduler counts ahead past the
     token in flight; penalties read the tokens so far, so their steps are not left in flight."""
-    penalized = SamplingParams(
-        temperature=0, max_tokens=NEW_TOKENS, repetition_penalty=1.5, frequency_penalty=0.5
-    )
-    params = (
-        [
-            SamplingParams(temperature=0.9, top_p=0.9, seed=index, max_tokens=NEW_TOKENS)
-            for index in range(7)
-        ]
-        + [
-            SamplingParams(temperature=1.0, top_k=50, seed=index, max_tokens=NEW_TOKENS, logprobs=3)
-            for index in range(5)
-        ]
-        + [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=6, logprobs=1)]
-        + [penalized, penalized]
-        + [SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2)]
-    )
+    params = mixed_sampling(NEW_TOKENS, seeded=True)
     sync, async_ = engines
-    expected = sync.generate(PROMPTS, params)
     got = async_.generate(PROMPTS, params)
-    assert token_ids(got) == token_ids(expected)
-    for mine, theirs in zip(got, expected, strict=True):
-        mine_logprobs, their_logprobs = mine.outputs[0].logprobs, theirs.outputs[0].logprobs
-        assert (mine_logprobs is None) == (their_logprobs is None)
-        for a, b in zip(mine_logprobs or [], their_logprobs or [], strict=True):
-            assert a.token_id == b.token_id and a.rank == b.rank
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
-            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
-    last_mine, last_theirs = got[-1].prompt_logprobs, expected[-1].prompt_logprobs
-    assert len(last_mine) == len(PROMPTS[-1])
-    for a, b in zip(last_mine[1:], last_theirs[1:], strict=True):
-        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    assert_same_generations(got, sync.generate(PROMPTS, params), tolerance=1e-5)
+    assert len(got[-1].prompt_logprobs) == len(PROMPTS[-1])
     assert async_.core.kv_manager.num_used_blocks == 0
 
 

@@ -53,7 +53,7 @@ from tandem.models.layers.linear import ColumnParallelLinear, QKVParallelLinear,
 from tandem.models.loader import iter_safetensors, load_model, resolve_model
 from tandem.server.main import ENGINE_DIED_EXIT_CODE
 from tiny_gguf import write_tiny_llama_gguf
-from tiny_models import varied_prompts
+from tiny_models import assert_same_generations, mixed_sampling, varied_prompts
 from worker_fixtures import rank_pids_in_log, running_worker, start_worker
 
 SHAPES = ["llama-gqa", "qwen3-qknorm"]  # 4 heads over 2 KV heads; 4 heads over 1 KV head
@@ -308,35 +308,11 @@ def test_sampling_and_logprobs_match_tp1(shape, engines):
     """Seeded requests, requests drawn from the engine's seeded generator, logprobs, penalties
     on the tokens so far (which only rank 0 is sent) and prompt logprobs: the same at TP=2 as at
     TP=1 (logprobs within float32 tolerance)."""
-    penalized = SamplingParams(
-        temperature=0, max_tokens=NEW_TOKENS, repetition_penalty=1.5, frequency_penalty=0.5
-    )
-    params = (
-        [
-            SamplingParams(temperature=0.9, top_p=0.9, seed=index, max_tokens=NEW_TOKENS)
-            for index in range(8)
-        ]
-        + [
-            SamplingParams(temperature=1.0, top_k=50, max_tokens=NEW_TOKENS, logprobs=3)
-            for _ in range(5)
-        ]
-        + [penalized, penalized]
-        + [SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2)]
-    )
+    params = mixed_sampling(NEW_TOKENS, seeded=False)
     tp1, tp2 = engines[shape]
-    expected = tp1.generate(PROMPTS, params)
     got = tp2.generate(PROMPTS, params)
-    assert token_ids(got) == token_ids(expected)
-    for mine, theirs in zip(got, expected, strict=True):
-        mine_logprobs, their_logprobs = mine.outputs[0].logprobs, theirs.outputs[0].logprobs
-        assert (mine_logprobs is None) == (their_logprobs is None)
-        for a, b in zip(mine_logprobs or [], their_logprobs or [], strict=True):
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-    last_mine, last_theirs = got[-1].prompt_logprobs, expected[-1].prompt_logprobs
-    assert len(last_mine) == len(PROMPTS[-1])
-    for a, b in zip(last_mine[1:], last_theirs[1:], strict=True):
-        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert_same_generations(got, tp1.generate(PROMPTS, params), tolerance=1e-4)
+    assert len(got[-1].prompt_logprobs) == len(PROMPTS[-1])
 
 
 def test_the_other_ranks_get_no_sampling_inputs():

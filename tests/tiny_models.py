@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 SHAPES = {
@@ -170,6 +171,55 @@ def assert_generates(directory, settings, prompts, params, expected) -> None:
         assert llm.core.kv_manager.num_prefix_hits > 0
     finally:
         llm.core.shutdown()
+
+
+def mixed_sampling(max_tokens: int, seeded: bool):
+    """16 requests' sampling parameters (for varied_prompts): top-p seeded by request; top-k with
+    logprobs, seeded too or drawn from the engine's generator; greedy with min_tokens; penalties
+    on the tokens so far; greedy with prompt logprobs (last)."""
+    from tandem import SamplingParams
+
+    top_p = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=index, max_tokens=max_tokens)
+        for index in range(7)
+    ]
+    top_k = [
+        SamplingParams(
+            temperature=1.0,
+            top_k=50,
+            seed=index if seeded else None,
+            max_tokens=max_tokens,
+            logprobs=3,
+        )
+        for index in range(5)
+    ]
+    penalized = SamplingParams(
+        temperature=0, max_tokens=max_tokens, repetition_penalty=1.5, frequency_penalty=0.5
+    )
+    return [
+        *top_p,
+        *top_k,
+        SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=6, logprobs=1),
+        penalized,
+        penalized,
+        SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2),
+    ]
+
+
+def assert_same_generations(got, expected, tolerance: float) -> None:
+    """Two engines' outputs (LLM.generate's) for the same requests: the same tokens, the same
+    top logprobs' ids, and logprobs and the last request's prompt logprobs within tolerance."""
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        mine_logprobs, their_logprobs = mine.outputs[0].logprobs, theirs.outputs[0].logprobs
+        assert (mine_logprobs is None) == (their_logprobs is None)
+        for a, b in zip(mine_logprobs or [], their_logprobs or [], strict=True):
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=tolerance)
+    last_mine, last_theirs = got[-1].prompt_logprobs, expected[-1].prompt_logprobs
+    assert len(last_mine) == len(last_theirs)
+    for a, b in zip(last_mine[1:], last_theirs[1:], strict=True):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=tolerance)
 
 
 def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
