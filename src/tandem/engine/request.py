@@ -59,7 +59,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_in_flight_tokens: int = 0  # scheduled in a step whose output is not taken yet
-    num_in_flight_samples: int = 0  # 0 or 1: that step samples the request's next token
+    num_in_flight_samples: int = 0  # how many such steps sample a token for it
     num_cached_tokens: int = 0  # prefix-cache hits at first scheduling (for metrics)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
