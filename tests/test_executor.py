@@ -63,8 +63,8 @@ def test_a_step_from_the_decoded_scheduler_output_samples_the_same_tokens(core):
         decoded = decoder.decode(msgspec.msgpack.encode(scheduler_output))
         assert decoded == scheduler_output
         num_bitmasks += sum(item.grammar_bitmask is not None for item in decoded.requests)
-        from_decoded = core.executor.execute_model(decoded)
-        from_original = core.executor.execute_model(scheduler_output)  # rewrites the same KV
+        from_decoded = core.executor.launch_model(decoded)()
+        from_original = core.executor.launch_model(scheduler_output)()  # rewrites the same KV
         assert from_decoded == from_original
         core.scheduler.update_from_output(scheduler_output, from_original)
     assert num_bitmasks > 0
@@ -85,7 +85,7 @@ def test_the_choice_is_held_by_the_bitmask_alone(core):
         scheduler_output = core.scheduler.schedule()
         decoded = decoder.decode(msgspec.msgpack.encode(scheduler_output))
         for output in core.scheduler.update_from_output(
-            scheduler_output, core.executor.execute_model(decoded)
+            scheduler_output, core.executor.launch_model(decoded)()
         ):
             token_ids.extend(output.new_token_ids)
     assert tokenizer.decode(token_ids) in CHOICES

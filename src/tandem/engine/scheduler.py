@@ -41,7 +41,7 @@ from tandem.engine.outputs import (
     SchedulerOutput,
 )
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.structured_output import follow_sampled, grammar_bitmasks
+from tandem.engine.structured_output import GrammarMatcher, follow_sampled, grammar_bitmasks
 from tandem.engine.waiting_queue import WaitingQueue, urgency
 from tandem.kv.connector.base import KVConnectorScheduler, NoKVConnectorScheduler, RequestView
 
@@ -223,12 +223,17 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
-        self._add_grammar_bitmasks(scheduled)
+        rows = [item for item in scheduled if item.sample]
+        grammars = [self.requests[item.request_id].grammar for item in rows]
+        self._add_grammar_bitmasks(rows, grammars)
         return SchedulerOutput(
             requests=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             kv_connector_metadata=self.connector.build_connector_meta(scheduled),
-            needs_sampled_tokens=any(self._needs_sampled_token(item) for item in scheduled),
+            # the next step needs these tokens on the host: a grammar (active, or waiting for
+            # its start) follows them, penalties count them
+            needs_sampled_tokens=grammars.count(None) < len(grammars)
+            or any(item.sampling_params.penalizes_history for item in rows),
         )
 
     def update_from_output(
@@ -323,20 +328,12 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
         )
 
-    def _needs_sampled_token(self, item: ScheduledRequest) -> bool:
-        """Whether the request's next step needs the token this one samples on the host first:
-        its structured output's grammar follows it (active or waiting for its start), its
-        penalties count it."""
-        if not item.sample:
-            return False
-        grammar = self.requests[item.request_id].grammar
-        return grammar is not None or item.sampling_params.penalizes_history
-
-    def _add_grammar_bitmasks(self, scheduled: list[ScheduledRequest]) -> None:
-        """The allowed tokens of the structured outputs that sample in this step, computed here
-        (the matchers stay with the scheduler) and carried to the sampler as plain bytes."""
-        rows = [item for item in scheduled if item.sample]
-        grammars = [self.requests[item.request_id].grammar for item in rows]
+    def _add_grammar_bitmasks(
+        self, rows: list[ScheduledRequest], grammars: list[GrammarMatcher | None]
+    ) -> None:
+        """The allowed tokens of the structured outputs of the rows that sample in this step
+        (`grammars`, theirs), computed here (the matchers stay with the scheduler) and carried
+        to the sampler as plain bytes."""
         if grammars.count(None) == len(grammars):  # every step runs this: no generator
             return
         for item, bitmask in zip(rows, grammar_bitmasks(grammars), strict=True):

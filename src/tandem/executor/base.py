@@ -55,10 +55,6 @@ class Executor(abc.ABC):
         the order launched; a step may take, on the device, the tokens the one before sampled
         (`SAMPLED_IN_FLIGHT`)."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step and wait for its output."""
-        return self.launch_model(scheduler_output)()
-
     def check_health(self) -> None:  # noqa: B027 (one rank in this process cannot fail alone)
         """Raise ExecutorFailedError when the executor cannot run another step."""
 

@@ -183,14 +183,14 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 class NoSampling:
     """A rank other than 0 computes no logits (they are gathered on rank 0): its runner's
-    sampler samples nothing and answers a buffer of zeros (into which rank 0's samples are
+    sampler samples nothing and answers an unfilled buffer (into which rank 0's samples are
     broadcast under async scheduling) that the host never reads."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def __call__(self, logits: None, requests: Sequence[ScheduledRequest]) -> SampledTokens:
-        token_ids = torch.zeros(len(requests), dtype=torch.int64, device=self.device)
+        token_ids = torch.empty(len(requests), dtype=torch.int64, device=self.device)
         return SampledTokens(token_ids, HostCopy([]), [], [])
 
     @staticmethod

@@ -156,6 +156,8 @@ class ModelRunner:
         self.tp = tp or TensorParallelGroup.single()
         self.last_sampled: torch.Tensor | None = None
         self.last_sampled_rows: dict[str, int] = {}
+        # its own pinned buffer: the step's inputs' copy, queued behind the step in flight,
+        # may still be reading input_staging's (whose reuse would wait for that step)
         self.in_flight_staging = InputStaging(device)
         connector.register_kv_cache(self.kv_cache)
         self.decode_graphs = None
