@@ -2,8 +2,9 @@
 
 Qwen3-0.6B shape (random weights), one GPU, `--batch` requests of 1024 random prompt tokens and
 400 new tokens each (`ignore_eos`); after 20 steps (the prompts and the graphs' warm-up), 300
-steps are timed one by one on the host clock (each step returns its sampled tokens, so it waits
-for its own GPU work). Prints one JSON line: the label, the batch and the step's p10 / p50 /
+steps are timed one by one on the host clock (with the engine's defaults: on CUDA it schedules
+asynchronously, so a step's time is its share of the wall time, the next step's GPU work
+queued before it returns). Prints one JSON line: the label, the batch and the step's p10 / p50 /
 mean in ms. It uses only EngineCore's public calls, so the same file times an older checkout:
 
     PYTHONPATH=src python benchmarks/engine_step.py --label after --batch 32

@@ -3,6 +3,8 @@ runs, its decoding requests' input the token that step samples, taken on the dev
 independent references: transformers' greedy continuation, and the same engine scheduling
 synchronously, token for token.
 
+* On by default on CUDA, off on the CPU; `--async-scheduling` / `--no-async-scheduling` say so.
+
 * Greedy, 16 prompts (chunked prefill, prefix-cache hits), requests ending at max_tokens and at
   stop tokens (so steps run on for requests already finished): identical to transformers and to
   the synchronous engine; no block held after.
@@ -43,7 +45,7 @@ def token_ids(outputs) -> list[list[int]]:
 def engines(tiny_checkpoints):
     """(synchronous engine, async engine), the same settings."""
     model = str(tiny_checkpoints[MODEL])
-    return LLM(model, **ENGINE), LLM(model, **ENGINE, async_scheduling=True)
+    return LLM(model, **ENGINE, async_scheduling=False), LLM(model, **ENGINE, async_scheduling=True)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,24 @@ def reference(tiny_checkpoints) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def test_on_by_default_on_cuda_and_off_on_the_cpu(monkeypatch):
+    from tandem.cli import build_parser
+    from tandem.engine.cli import engine_config_from_args
+    from tandem.engine.config import EngineConfig
+
+    parser = build_parser()
+    flags = {(): None, ("--async-scheduling",): True, ("--no-async-scheduling",): False}
+    for given, expected in flags.items():
+        args = parser.parse_args(["worker", *given])
+        assert engine_config_from_args(args, "worker").async_scheduling is expected
+    assert EngineConfig(device="cpu").resolved().async_scheduling is False
+    assert EngineConfig(device="cpu", async_scheduling=True).resolved().async_scheduling is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineConfig(device="cuda:0").resolved().async_scheduling is True
+    on_cuda = EngineConfig(device="cuda:0", async_scheduling=False).resolved()
+    assert on_cuda.async_scheduling is False
 
 
 def test_greedy_matches_transformers_and_synchronous_scheduling(engines, reference):
@@ -159,8 +179,9 @@ SEEDED = [
 @pytest.mark.cuda
 def test_on_a_gpu_with_decode_graphs_equals_synchronous_scheduling(tiny_checkpoints):
     model = str(tiny_checkpoints[MODEL])
-    sync = LLM(model, **CUDA_ENGINE)
-    async_ = LLM(model, **CUDA_ENGINE, async_scheduling=True)
+    sync = LLM(model, **CUDA_ENGINE, async_scheduling=False)
+    async_ = LLM(model, **CUDA_ENGINE)  # on by default on CUDA
+    assert async_.core.config.async_scheduling
     assert async_.core.executor.runner.decode_graphs is not None
     for params in (GREEDY, SEEDED):
         assert token_ids(async_.generate(PROMPTS, params)) == token_ids(
@@ -173,7 +194,7 @@ def test_on_a_gpu_with_decode_graphs_equals_synchronous_scheduling(tiny_checkpoi
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_on_two_gpus_rank_0_broadcasts_its_samples(tiny_checkpoints):
     model = str(tiny_checkpoints[MODEL])
-    sync = LLM(model, **CUDA_ENGINE, tensor_parallel_size=2)
+    sync = LLM(model, **CUDA_ENGINE, tensor_parallel_size=2, async_scheduling=False)
     expected = [token_ids(sync.generate(PROMPTS, params)) for params in (GREEDY, SEEDED)]
     sync.core.shutdown()
     async_ = LLM(model, **CUDA_ENGINE, tensor_parallel_size=2, async_scheduling=True)

@@ -254,21 +254,24 @@ def assert_handoffs_match_colocated(tmp_path, both, prefill, decode) -> None:
     [
         ("cuda:0", ()),
         pytest.param("cuda:1", (), marks=TWO_GPUS),
-        pytest.param("cuda:1", ("--async-scheduling",), marks=TWO_GPUS, id="cuda:1-async"),
+        pytest.param("cuda:1", ("--no-async-scheduling",), marks=TWO_GPUS, id="cuda:1-sync"),
     ],
 )
 def test_pd_over_cuda_ipc_matches_colocated(
     tmp_path, tiny_checkpoints, decode_device, decode_flags
 ):
-    """Prefill on GPU 0, decode on GPU 0 or 1 (there also scheduling asynchronously), KV copied
-    out of the mapped prefill cache under a hold on its lease (asked for in sequence, carried by
-    the announcement in a handoff): the same greedy tokens as a colocated worker, and no block
-    held afterwards (the confirmations after the copies freed the prefill's)."""
+    """Prefill on GPU 0, decode on GPU 0 or 1 (scheduling asynchronously, CUDA's default, or
+    not), KV copied out of the mapped prefill cache under a hold on its lease (asked for in
+    sequence, carried by the announcement in a handoff): the same greedy tokens as a colocated
+    worker scheduling synchronously, and no block held afterwards (the confirmations after the
+    copies freed the prefill's)."""
     model = str(tiny_checkpoints["qwen2-bias"])
     common = ("--dtype", "float32", "--num-kv-blocks", "2048")
     ipc = ("--kv-transport", "cuda-ipc")
     with (
-        running_worker(tmp_path, "--device", "cuda:0", *common, model=model) as both,
+        running_worker(
+            tmp_path, "--device", "cuda:0", "--no-async-scheduling", *common, model=model
+        ) as both,
         running_worker(
             tmp_path, "--device", "cuda:0", "--role", "prefill", *ipc, *common, model=model
         ) as prefill,

@@ -141,10 +141,12 @@ def add_engine_arguments(parser: argparse._ActionsContainer) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="schedule each step while the GPU runs the one before, its sampled tokens read "
         "on the GPU (the host's scheduling and output handling hidden behind the forward pass; "
-        "a step with a structured output or penalties still waits for its tokens)",
+        "a step with a structured output or penalties still waits for its tokens); default: on "
+        "CUDA, off on the CPU",
     )
     group.add_argument(
         "--piecewise-cuda-graph-max-tokens",

@@ -57,8 +57,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # on CUDA, every all-reduce through NCCL (not small ones over peer memory)
     disable_custom_all_reduce: bool = False
-    # schedule the next step while the device runs this one (vLLM's --async-scheduling)
-    async_scheduling: bool = False
+    # schedule the next step while the device runs this one (vLLM's --async-scheduling); None:
+    # on CUDA, off on the CPU (where the forward pass runs on the host it would overlap with)
+    async_scheduling: bool | None = None
 
     def resolved(self) -> EngineConfig:
         """Replace every "auto" by what it means on this machine, and check the values."""
@@ -96,8 +97,16 @@ class EngineConfig:
         busy_poll_s = self.busy_poll_seconds(device)
         if busy_poll_s < 0:
             raise ValueError("busy_poll_s must be 0 or more")
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = device.startswith("cuda")
         return replace(
-            self, device=device, dtype=dtype, attention_backend=backend, busy_poll_s=busy_poll_s
+            self,
+            device=device,
+            dtype=dtype,
+            attention_backend=backend,
+            busy_poll_s=busy_poll_s,
+            async_scheduling=async_scheduling,
         )
 
     def busy_poll_seconds(self, device: str | None = None) -> float:
