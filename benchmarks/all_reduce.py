@@ -119,7 +119,7 @@ def time_fused(group: str) -> dict[str, dict[str, float]]:
     rank, size, device = dist.get_rank(), dist.get_world_size(), torch.device("cuda")
     buffer = symm_mem.empty(PEER_MEMORY_MAX_BYTES // 2, dtype=torch.bfloat16, device=device)
     summed = PeerMemoryAllReduce(group, dist.group.WORLD, buffer)
-    fused_buffer = AllReduceAddRMSNorm.allocate(size, PEER_MEMORY_MAX_BYTES, device)
+    fused_buffer = AllReduceAddRMSNorm.allocate(size, PEER_MEMORY_MAX_BYTES, torch.bfloat16, device)
     fused = AllReduceAddRMSNorm(group, rank, size, torch.bfloat16, fused_buffer)
     return {
         f"{rows}x{hidden}": time_fused_shape(rows, hidden, fused, summed)

@@ -89,3 +89,44 @@ def test_fused_kernels_match_torch_on_gpu():
     exec(CHECK, namespace)
     namespace["run"]("cuda", torch.float32, 1e-5)
     namespace["run"]("cuda", torch.bfloat16, 2e-2)
+
+
+FUSED_SUM_ONE_RANK = textwrap.dedent(
+    """
+    import torch
+    from tandem.distributed import fused_all_reduce as F
+    from tandem.models.triton_ops import add_rms_norm
+
+    torch.manual_seed(0)
+    width, most_rows = 64, 37
+    _, bits, empty = F.BITS[2]
+    buffer = torch.full((2 * most_rows * width,), empty, dtype=torch.int16)
+    buffers = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
+    calls = torch.zeros(F.PROGRAMS, dtype=torch.int64)
+    weight = torch.rand(width).bfloat16()
+    for call, rows in enumerate([most_rows, 1, 33]):  # over and under the programs, both sets
+        x = torch.randn(rows, width).bfloat16()
+        x[0, 0] = -0.0  # EMPTY's bits: goes as a positive zero
+        residual = torch.randn(rows, width).bfloat16()
+        expected_residual = residual.clone()
+        out = torch.empty_like(x)
+        F._all_reduce_add_rms_norm_kernel[(F.PROGRAMS,)](
+            buffers, calls, x, residual, weight, out, rows, width, width, width, 1e-5, 0,
+            most_rows * width, RANKS=1, PROGRAMS=F.PROGRAMS, BITS=bits, EMPTY=empty, BLOCK=64,
+            USE_PDL=False)
+        x[0, 0] = 0.0
+        expected = add_rms_norm(x, expected_residual, weight, 1e-5)
+        assert torch.equal(residual, expected_residual), call
+        assert torch.equal(out, expected), call
+        assert (buffer == empty).all(), call  # every slot read was emptied
+        assert (calls == call + 1).all()
+    """
+)
+
+
+def test_fused_sum_kernel_on_one_rank_in_the_interpreter():
+    """The fused sum, add and norm's kernel with its one rank's buffer on the host: the numbers
+    of add_rms_norm (with the interpreter's rounding on both sides), a negative zero taken as a
+    zero, and every slot EMPTY again after each call. Two ranks: test_tensor_parallel_cuda.py."""
+    result = run_in_interpreter(FUSED_SUM_ONE_RANK)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -8,15 +8,16 @@ rounded once; every rank gets the same bits). Where a decode layer ran a one-sho
 and a norm kernel, it runs this one, on groups of two ranks (at four it cost more than it saved:
 `FUSED_ADD_NORM_MAX_RANKS` in group.py).
 
-How the ranks meet: every rank maps one buffer of every other (torch's symmetric memory). A call
-pushes this rank's rows into its own slot of every rank's buffer, then raises its flag in every
-rank's buffer to the call's number (release), waits until every rank's flag in its own buffer has
-reached that number (acquire), and sums the slots locally. The grid is always PROGRAMS programs,
-program p taking rows p, p + PROGRAMS, ..., each with its own flags, slots and call count (the
-ranks make the same calls, so the counts agree). Calls alternate between two sets of slots: a
-rank writes a set again two calls later, after the call between has seen every rank's flag for
-it, which every rank raised only after finishing its reads of the first. So one exchange of flags
-a call is enough, and the kernel is captured in CUDA graphs like any other.
+How the ranks meet: every rank maps one buffer of every other (torch's symmetric memory), whose
+slots hold EMPTY (negative zero's bits) wherever no value is waiting. A call writes this rank's
+rows into its own slot of every rank's buffer (a negative zero goes as a positive one), then
+reads the slots of its own buffer until no element is EMPTY, sums them, and writes EMPTY back:
+the values are their own flags, so no fence or flag round trip stands between a rank's write
+and its peer's read. The grid is always PROGRAMS programs, program p taking rows p, p +
+PROGRAMS, ..., with its own call count (the ranks make the same calls, so the counts agree).
+Calls alternate between two sets of slots: a peer writes a set again two calls later, after it
+has read this rank's rows of the call between, which this rank wrote only after its kernel
+that emptied the set had ended. So the kernel is captured in CUDA graphs like any other.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import triton.language as tl
 
 from tandem.pdl import pdl_options, wait_for_previous
 
-PROGRAMS = 32
-FLAGS_BYTES = 2 * PROGRAMS * 8 * 8  # int64 flags [2 sets][PROGRAMS][up to 8 ranks]
+PROGRAMS = 128
 MAX_WIDTH = 16384
+# an element's bits, and EMPTY's, by the element's size
+BITS = {2: (torch.int16, tl.int16, -(1 << 15)), 4: (torch.int32, tl.int32, -(1 << 31))}
 
 
 @triton.jit
@@ -49,7 +51,8 @@ def _all_reduce_add_rms_norm_kernel(
     slot_elements,
     RANKS: tl.constexpr,
     PROGRAMS: tl.constexpr,
-    FLAGS_BYTES: tl.constexpr,
+    BITS: tl.constexpr,
+    EMPTY: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -61,34 +64,26 @@ def _all_reduce_add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     dtype = x_ptr.dtype.element_ty
-    flag_index = (parity * PROGRAMS + program) * 8
-    # push this rank's rows into its slot of every rank's buffer
+    # write this rank's rows into its slot of every rank's buffer
     for row in range(program, num_rows, PROGRAMS):
-        values = tl.load(x_ptr + row * x_stride + cols, mask=mask)
+        values = tl.load(x_ptr + row * x_stride + cols, mask=mask).to(BITS, bitcast=True)
+        values = tl.where(values == EMPTY, tl.zeros_like(values), values)
         for peer in tl.static_range(RANKS):
-            slots = (tl.load(buffers_ptr + peer) + FLAGS_BYTES).to(tl.pointer_type(dtype))
+            slots = tl.load(buffers_ptr + peer).to(tl.pointer_type(BITS))
             slot = slots + (parity * RANKS + rank) * slot_elements
             tl.store(slot + row * width + cols, values, mask=mask)
-    tl.debug_barrier()  # every thread's rows are out before the flags go up
-    for peer in tl.static_range(RANKS):
-        flags = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(flags + flag_index + rank, call, sem="release", scope="sys")
-    own = tl.load(buffers_ptr + rank)
-    own_flags = own.to(tl.pointer_type(tl.int64))
-    for peer in tl.static_range(RANKS):
-        while tl.atomic_add(own_flags + flag_index + peer, 0, sem="acquire", scope="sys") < call:
-            pass
-    tl.debug_barrier()  # and every thread reads after the flags were seen
-    slots = (own + FLAGS_BYTES).to(tl.pointer_type(dtype)) + parity * RANKS * slot_elements
+    own = tl.load(buffers_ptr + rank).to(tl.pointer_type(BITS)) + parity * RANKS * slot_elements
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    empty = tl.full([BLOCK], EMPTY, BITS)
     for row in range(program, num_rows, PROGRAMS):
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for peer in tl.static_range(RANKS):
-            part = tl.load(
-                slots + peer * slot_elements + row * width + cols,
-                mask=mask, other=0.0, cache_modifier=".cg",
-            )  # fmt: skip
-            total += part.to(tl.float32)
+            slot = own + peer * slot_elements + row * width + cols
+            part = tl.load(slot, mask=mask, other=0, volatile=True)
+            while tl.sum((part == EMPTY).to(tl.int32), axis=0) > 0:
+                part = tl.load(slot, mask=mask, other=0, volatile=True)
+            tl.store(slot, empty, mask=mask)
+            total += part.to(dtype, bitcast=True).to(tl.float32)
         residual_row = residual_ptr + row * residual_stride + cols
         residual = tl.load(residual_row, mask=mask, other=0.0)
         summed = (total.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
@@ -105,16 +100,18 @@ class AllReduceAddRMSNorm:
     the buffer's slot size. Joined collectively (every rank at once) on a registered group."""
 
     @staticmethod
-    def allocate(size: int, max_bytes: int, device: torch.device) -> torch.Tensor:
-        """A rank's buffer for sums of up to max_bytes: the flags, then two sets of a slot a
-        rank."""
+    def allocate(
+        size: int, max_bytes: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A rank's buffer for sums of up to max_bytes of `dtype`: two sets of a slot a rank,
+        every element EMPTY."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        if size > 8:
-            raise RuntimeError("the fused all-reduce takes up to 8 ranks")
-        buffer = symm_mem.empty(FLAGS_BYTES + 2 * size * max_bytes, dtype=torch.uint8,
-                                device=device)  # fmt: skip
-        buffer.zero_()  # the flags start below any call number
+        if dtype.itemsize not in BITS:
+            raise RuntimeError(f"the fused all-reduce takes 2- and 4-byte elements, not {dtype}")
+        bits, _, empty = BITS[dtype.itemsize]
+        buffer = symm_mem.empty(2 * size * max_bytes // dtype.itemsize, dtype=bits, device=device)
+        buffer.fill_(empty)
         torch.cuda.synchronize(device)
         return buffer
 
@@ -124,10 +121,10 @@ class AllReduceAddRMSNorm:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.size, self.dtype = rank, size, dtype
-        self.max_bytes = (buffer.numel() - FLAGS_BYTES) // (2 * size)
-        self.slot_elements = self.max_bytes // dtype.itemsize
+        self.slot_elements = buffer.numel() // (2 * size)
+        self.max_bytes = self.slot_elements * dtype.itemsize
         self.buffer = buffer  # the memory the other ranks map lives as long as this does
-        # collective: no rank's first flag lands before every rank has zeroed its own
+        # collective: no rank's first row lands before every rank has emptied its own slots
         self.handle = symm_mem.rendezvous(buffer, group_name)
         offset = buffer.data_ptr() - self.handle.buffer_ptrs[rank]  # the same on every rank
         addresses = [pointer + offset for pointer in self.handle.buffer_ptrs]
@@ -152,7 +149,8 @@ class AllReduceAddRMSNorm:
         _all_reduce_add_rms_norm_kernel[(PROGRAMS,)](
             self.buffers, self.calls, x, residual, weight, out, rows, width, x.stride(0),
             residual.stride(0), eps, self.rank, self.slot_elements, RANKS=self.size,
-            PROGRAMS=PROGRAMS, FLAGS_BYTES=FLAGS_BYTES, BLOCK=triton.next_power_of_2(width),
+            PROGRAMS=PROGRAMS, BITS=BITS[x.element_size()][1], EMPTY=BITS[x.element_size()][2],
+            BLOCK=triton.next_power_of_2(width),
             **pdl_options(x.device),
         )  # fmt: skip
         return out

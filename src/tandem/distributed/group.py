@@ -256,7 +256,7 @@ def set_up_peer_memory(
                 buffer = symm_mem.empty(numel, dtype=dtype, device=device)
                 if tp.size <= FUSED_ADD_NORM_MAX_RANKS:
                     fused_buffer = AllReduceAddRMSNorm.allocate(
-                        tp.size, PEER_MEMORY_MAX_BYTES, device
+                        tp.size, PEER_MEMORY_MAX_BYTES, dtype, device
                     )
             except (RuntimeError, ImportError) as exc:
                 logger.warning("tensor parallelism: all-reduces on NCCL (peer memory: %s)", exc)
