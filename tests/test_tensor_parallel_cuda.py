@@ -127,7 +127,7 @@ def test_the_groups_sums_equal_the_sum_of_the_inputs():
         assert torch.equal(torch.from_numpy(chained).bfloat16(), expected.bfloat16())
 
 
-# rows of the fused sum, add and norm: odd and even, over and under its 32 programs, 1 MiB last
+# rows of the fused sum, add and norm: odd and even, up to its 128 programs' one each, 1 MiB last
 FUSED_ROWS = [1, 3, 32, 33, 1, 64, 2, 128]
 FUSED_GRAPH_REPLAYS = 4
 EPS = 1e-5

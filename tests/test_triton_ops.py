@@ -98,13 +98,13 @@ FUSED_SUM_ONE_RANK = textwrap.dedent(
     from tandem.models.triton_ops import add_rms_norm
 
     torch.manual_seed(0)
-    width, most_rows = 64, 37
+    width, most_rows = 64, 2 * F.PROGRAMS + 5
     _, bits, empty = F.BITS[2]
     buffer = torch.full((2 * most_rows * width,), empty, dtype=torch.int16)
     buffers = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
     calls = torch.zeros(F.PROGRAMS, dtype=torch.int64)
     weight = torch.rand(width).bfloat16()
-    for call, rows in enumerate([most_rows, 1, 33]):  # over and under the programs, both sets
+    for call, rows in enumerate([most_rows, 1, F.PROGRAMS + 1]):  # programs with 3, 1, 0 rows
         x = torch.randn(rows, width).bfloat16()
         x[0, 0] = -0.0  # EMPTY's bits: goes as a positive zero
         residual = torch.randn(rows, width).bfloat16()
