@@ -104,7 +104,8 @@ FUSED_SUM_ONE_RANK = textwrap.dedent(
     buffers = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
     calls = torch.zeros(F.PROGRAMS, dtype=torch.int64)
     weight = torch.rand(width).bfloat16()
-    for call, rows in enumerate([most_rows, 1, F.PROGRAMS + 1]):  # programs with 3, 1, 0 rows
+    # up to three rows a program, then one row, then two for the first program; both slot sets
+    for call, rows in enumerate([most_rows, 1, F.PROGRAMS + 1]):
         x = torch.randn(rows, width).bfloat16()
         x[0, 0] = -0.0  # EMPTY's bits: goes as a positive zero
         residual = torch.randn(rows, width).bfloat16()
