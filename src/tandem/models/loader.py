@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,8 +39,10 @@ from tandem import DEFAULT_MODEL
 from tandem.attention.base import AttentionBackend
 from tandem.distributed.group import TensorParallelGroup
 from tandem.models import registry
-from tandem.models.base import CausalLM
 from tandem.models.config import ModelConfig
+
+if TYPE_CHECKING:  # the decoders (and Triton) load only in the engine, not an API process
+    from tandem.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 

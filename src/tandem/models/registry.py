@@ -10,9 +10,10 @@ architecture tandem does not implement is a ValueError naming the ones it does.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tandem.models.base import CausalLM
+if TYPE_CHECKING:  # the decoders (and Triton) load only in the engine, not an API process
+    from tandem.models.base import CausalLM
 
 # architecture -> (module, class): every Llama-family decoder is one class (see models/llama.py)
 MODELS: dict[str, tuple[str, str]] = {
