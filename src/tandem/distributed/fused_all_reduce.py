@@ -146,11 +146,11 @@ class AllReduceAddRMSNorm:
         """x: this rank's partial sums [T, width]; residual [T, width] (updated in place)."""
         rows, width = x.shape
         out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+        _, bits, empty = BITS[x.element_size()]
         _all_reduce_add_rms_norm_kernel[(PROGRAMS,)](
             self.buffers, self.calls, x, residual, weight, out, rows, width, x.stride(0),
             residual.stride(0), eps, self.rank, self.slot_elements, RANKS=self.size,
-            PROGRAMS=PROGRAMS, BITS=BITS[x.element_size()][1], EMPTY=BITS[x.element_size()][2],
-            BLOCK=triton.next_power_of_2(width),
+            PROGRAMS=PROGRAMS, BITS=bits, EMPTY=empty, BLOCK=triton.next_power_of_2(width),
             **pdl_options(x.device),
         )  # fmt: skip
         return out
