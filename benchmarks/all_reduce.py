@@ -1,11 +1,11 @@
-"""All-reduces between two GPUs as a tensor-parallel step makes them: NCCL against torch's
-symmetric-memory all-reduces.
+"""All-reduces between two GPUs (or four: `--ranks 4`) as a tensor-parallel step makes them:
+NCCL against torch's symmetric-memory all-reduces.
 
 Small ones (a decode step's, one row per sequence): NCCL against the one-shot all-reduce, each
 captured 64 times in a CUDA graph. Two processes (one per GPU) join one NCCL process group; for
 each shape (rows x hidden, bf16) each checks the one-shot result against NCCL's, then times the
 graph's replays with CUDA events (50 replays after 5) and prints microseconds per all-reduce,
-rank 0's line first. The one-shot all-reduce reads every peer's buffer over NVLink (no
+rank 0's and the last rank's. The one-shot all-reduce reads every peer's buffer over NVLink (no
 multicast), from a buffer both ranks allocate with `symm_mem.empty` and join with
 `symm_mem.rendezvous`.
 
@@ -19,11 +19,12 @@ Large ones (a prompt's hidden states, up to 8192 x 4096): NCCL against the two-s
 alone and with the copies into and out of its buffer that a model's tensors would need; eager,
 20 all-reduces after 3 timed with CUDA events, milliseconds per all-reduce.
 
-    python benchmarks/all_reduce.py
+    python benchmarks/all_reduce.py [--ranks 4]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -184,36 +185,41 @@ def rank_main(rank: int, size: int, port: int, results) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, choices=(2, 4), default=2)
+    size = parser.parse_args().ranks
     context = mp.get_context("spawn")
     results = context.Queue()
-    ranks = [context.Process(target=rank_main, args=(r, 2, 29561, results)) for r in range(2)]
+    ranks = [context.Process(target=rank_main, args=(r, size, 29561, results)) for r in range(size)]
     for process in ranks:
         process.start()
     by_rank = dict(results.get(timeout=300) for _ in ranks)
     for process in ranks:
         process.join(timeout=60)
     print(json.dumps(by_rank))
-    print(f"{torch.cuda.get_device_name(0)} x2, bf16, us per all-reduce (rank 0 / rank 1)")
+    first, last = by_rank[0], by_rank[size - 1]
+    ranks_shown = f"rank 0 / rank {size - 1}"
+    print(f"{torch.cuda.get_device_name(0)} x{size}, bf16, us per all-reduce ({ranks_shown})")
     print("| rows x hidden | NCCL | one-shot (symmetric memory) |")
     print("| --- | --- | --- |")
-    for shape in by_rank[0]["decode"]:
-        first, second = by_rank[0]["decode"][shape], by_rank[1]["decode"][shape]
-        print(f"| {shape} | {first['nccl_us']:.1f} / {second['nccl_us']:.1f} | "
-              f"{first['one_shot_us']:.1f} / {second['one_shot_us']:.1f} |")  # fmt: skip
-    print("\nthe sum with the residual add and RMSNorm, us per call (rank 0 / rank 1)")
+    for shape in first["decode"]:
+        a, b = first["decode"][shape], last["decode"][shape]
+        print(f"| {shape} | {a['nccl_us']:.1f} / {b['nccl_us']:.1f} | "
+              f"{a['one_shot_us']:.1f} / {b['one_shot_us']:.1f} |")  # fmt: skip
+    print(f"\nthe sum with the residual add and RMSNorm, us per call ({ranks_shown})")
     print("| rows x hidden | one-shot, then add and norm | fused | same bits |")
     print("| --- | --- | --- | --- |")
-    for shape in by_rank[0]["fused"]:
-        first, second = by_rank[0]["fused"][shape], by_rank[1]["fused"][shape]
-        print(f"| {shape} | {first['unfused_us']:.1f} / {second['unfused_us']:.1f} | "
-              f"{first['fused_us']:.1f} / {second['fused_us']:.1f} | "
-              f"{first['same_bits'] and second['same_bits']} |")  # fmt: skip
-    print("\nprompt sizes, eager, ms per all-reduce (rank 0 / rank 1)")
+    for shape in first["fused"]:
+        a, b = first["fused"][shape], last["fused"][shape]
+        same = all(by_rank[rank]["fused"][shape]["same_bits"] for rank in by_rank)
+        print(f"| {shape} | {a['unfused_us']:.1f} / {b['unfused_us']:.1f} | "
+              f"{a['fused_us']:.1f} / {b['fused_us']:.1f} | {same} |")  # fmt: skip
+    print(f"\nprompt sizes, eager, ms per all-reduce ({ranks_shown})")
     print("| rows x hidden | NCCL | two-shot | two-shot with copies in and out |")
     print("| --- | --- | --- | --- |")
-    for shape in by_rank[0]["prompt"]:
+    for shape in first["prompt"]:
         cells = [
-            f"{by_rank[0]['prompt'][shape][key]:.3f} / {by_rank[1]['prompt'][shape][key]:.3f}"
+            f"{first['prompt'][shape][key]:.3f} / {last['prompt'][shape][key]:.3f}"
             for key in ("nccl_ms", "two_shot_ms", "two_shot_with_copies_ms")
         ]
         print(f"| {shape} | " + " | ".join(cells) + " |")

@@ -1,11 +1,11 @@
 """Tensor parallelism on GPUs: the Llama-3.1-8B shape (dummy weights, bf16) at TP=1, 2 and 4.
 
     python benchmarks/tensor_parallel.py --out tp.json [--configs tp1 tp2 tp2-nccl tp2-eager tp4
-                                                              tp1-async tp2-async]
+                                                              tp1-async tp2-async tp4-async]
 
 For each configuration (TP=1 with decode CUDA graphs; TP=2 with them, its small all-reduces over
 peer memory; the same with every all-reduce on NCCL; TP=2 eager; TP=4 as TP=2, on four GPUs;
-TP=1 and TP=2 with async scheduling),
+TP=1, 2 and 4 with async scheduling),
 in a process of its own so each starts on empty GPUs: the wall time of one 8192-token prefill
 step and of one decode step at batch 1 (context 128 to 288), medians after warm-up, the GPU time
 of rank 0's decode graph within the step (CUDA events around its replay; the rest of the step is
@@ -49,6 +49,7 @@ CONFIGS = {
     "tp4": (4, False, False, False),
     "tp1-async": (1, False, False, True),
     "tp2-async": (2, False, False, True),
+    "tp4-async": (4, False, False, True),
 }
 PROMPT = 8192
 LOADED_BATCHES = (32, 64)
