@@ -50,10 +50,10 @@ PEER_MEMORY_MAX_BYTES = 1 << 20
 # Two ways of summing that pay at two ranks and not at four (docs/benchmarks.md, the 8B shape on
 # H200s): the sum fused with the residual add and RMSNorm after it took 0.2 to 0.6 ms off a
 # decode step of 32 and 64 sequences at two ranks, and cost 0.2 ms at batch 1 at four (its
-# flagged version then; the one without flags saves 2 to 3 us a call at four alone, but the one
-# TP=4 engine benchmark run with it did not finish, a hang or a slow first compile not told
-# apart); a prompt step split over the ranks took an 8192-token prefill from 137 to 132 ms at
-# two, and from 86 to 130 ms at four. Groups of more ranks keep the one-shot sum and NCCL.
+# flagged version then; the one without flags took 0.2 ms off TP=4's steps in one benchmark run,
+# but another did not finish: a hang until shown otherwise); a prompt step split over the ranks
+# took an 8192-token prefill from 137 to 132 ms at two, and from 86 to 130 ms at four. Groups of
+# more ranks keep the one-shot sum and NCCL.
 FUSED_ADD_NORM_MAX_RANKS = 2
 SEQUENCE_SPLIT_MAX_RANKS = 2
 # A step of at least this many tokens may run sequence-parallel.
