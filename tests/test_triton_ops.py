@@ -91,43 +91,89 @@ def test_fused_kernels_match_torch_on_gpu():
     namespace["run"]("cuda", torch.bfloat16, 2e-2)
 
 
-FUSED_SUM_ONE_RANK = textwrap.dedent(
+FUSED_SUM_RANKS = textwrap.dedent(
     """
+    import multiprocessing
     import torch
+    torch.set_num_threads(1)  # before the fork: no thread pool for the children to inherit
     from tandem.distributed import fused_all_reduce as F
     from tandem.models.triton_ops import add_rms_norm
 
-    torch.manual_seed(0)
-    width, most_rows = 64, 2 * F.PROGRAMS + 5
-    _, bits, empty = F.BITS[2]
-    buffer = torch.full((2 * most_rows * width,), empty, dtype=torch.int16)
-    buffers = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
-    calls = torch.zeros(F.PROGRAMS, dtype=torch.int64)
-    weight = torch.rand(width).bfloat16()
-    # up to three rows a program, then one row, then two for the first program; both slot sets
-    for call, rows in enumerate([most_rows, 1, F.PROGRAMS + 1]):
-        x = torch.randn(rows, width).bfloat16()
-        x[0, 0] = -0.0  # EMPTY's bits: goes as a positive zero
-        residual = torch.randn(rows, width).bfloat16()
-        expected_residual = residual.clone()
-        out = torch.empty_like(x)
-        F._all_reduce_add_rms_norm_kernel[(F.PROGRAMS,)](
-            buffers, calls, x, residual, weight, out, rows, width, width, width, 1e-5, 0,
-            most_rows * width, RANKS=1, PROGRAMS=F.PROGRAMS, BITS=bits, EMPTY=empty, BLOCK=64,
-            USE_PDL=False)
-        x[0, 0] = 0.0
-        expected = add_rms_norm(x, expected_residual, weight, 1e-5)
-        assert torch.equal(residual, expected_residual), call
-        assert torch.equal(out, expected), call
-        assert (buffer == empty).all(), call  # every slot read was emptied
-        assert (calls == call + 1).all()
+    PROGRAMS = 8  # the engine's 128 take longer in the interpreter and run the same code
+    WIDTH, MOST_ROWS = 64, 2 * PROGRAMS + 5
+    # up to three rows a program, one row, none, two for the first program: both slot sets twice
+    ROWS = [MOST_ROWS, 1, 0, PROGRAMS + 1]
+    _, BITS, EMPTY = F.BITS[2]
+
+    def inputs(rank, call, rows, first=-0.0):
+        # a rank's rows, the first element `first` (negative zero is EMPTY's bits: it goes as a
+        # positive zero), and the residual, the same on every rank. The rows are eighths up to
+        # 4, so that their sum over four ranks is a bf16 number: the interpreter rounds fp32 to
+        # bf16 otherwise than torch, and the kernel's rounding of the sum is the GPU test's
+        generator = torch.Generator().manual_seed(100 * call + rank)
+        x = torch.randint(-32, 33, (rows, WIDTH), generator=generator) / 8
+        residual = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(call))
+        x = x.bfloat16()
+        if rows:
+            x[0, 0] = first
+        return x, residual.bfloat16()
+
+    def run_rank(rank, size, buffers, weight, results):
+        calls = torch.zeros(PROGRAMS, dtype=torch.int64)
+        got = []
+        for call, rows in enumerate(ROWS):
+            x, residual = inputs(rank, call, rows)
+            out = torch.empty_like(x)
+            F._all_reduce_add_rms_norm_kernel[(PROGRAMS,)](
+                buffers, calls, x, residual, weight, out, rows, WIDTH, WIDTH, WIDTH, 1e-5, rank,
+                MOST_ROWS * WIDTH, RANKS=size, PROGRAMS=PROGRAMS, BITS=BITS, EMPTY=EMPTY,
+                BLOCK=WIDTH, USE_PDL=False)
+            got.append((out.float().numpy(), residual.float().numpy()))
+        results.put((rank, got, calls.tolist()))
+
+    for size in (2, 4):
+        # every rank's buffer in one block of shared memory that the forked ranks map at the
+        # same address, so the addresses of each rank's buffer hold in all of them
+        shared = torch.full((size, 2 * size * MOST_ROWS * WIDTH), EMPTY, dtype=torch.int16)
+        shared.share_memory_()
+        buffers = torch.tensor([part.data_ptr() for part in shared], dtype=torch.int64)
+        weight = torch.rand(WIDTH, generator=torch.Generator().manual_seed(7)).bfloat16()
+        context = multiprocessing.get_context("fork")
+        results = context.Queue()
+        # daemons: a rank left waiting on a failed peer ends with this script
+        ranks = [context.Process(target=run_rank, args=(rank, size, buffers, weight, results),
+                                 daemon=True) for rank in range(size)]
+        for process in ranks:
+            process.start()
+        by_rank = {rank: (got, calls) for rank, got, calls in
+                   (results.get(timeout=240) for _ in ranks)}
+        for process in ranks:
+            process.join(30)
+            assert process.exitcode == 0, (size, process.exitcode)
+        for call, rows in enumerate(ROWS):
+            parts = [inputs(rank, call, rows, first=0.0)[0] for rank in range(size)]
+            summed = torch.stack(parts).float().sum(0).bfloat16()  # exact: eighths
+            expected_residual = inputs(0, call, rows)[1]
+            expected = add_rms_norm(summed, expected_residual, weight, 1e-5)
+            for rank, (got, calls) in by_rank.items():
+                out, residual = (torch.from_numpy(t).bfloat16() for t in got[call])
+                assert torch.equal(residual, expected_residual), (size, rank, call)
+                assert torch.equal(out, expected), (size, rank, call)
+        for rank, (got, calls) in by_rank.items():
+            assert calls == [len(ROWS)] * PROGRAMS, (size, rank)
+        assert (shared == EMPTY).all(), size  # every slot read was emptied
     """
 )
 
 
-def test_fused_sum_kernel_on_one_rank_in_the_interpreter():
-    """The fused sum, add and norm's kernel with its one rank's buffer on the host: the numbers
-    of add_rms_norm (with the interpreter's rounding on both sides), a negative zero taken as a
-    zero, and every slot EMPTY again after each call. Two ranks: test_tensor_parallel_cuda.py."""
-    result = run_in_interpreter(FUSED_SUM_ONE_RANK)
+def test_fused_sum_kernel_on_two_and_four_ranks_in_the_interpreter():
+    """The fused sum, add and norm's kernel on two and then four ranks, each a process running
+    it in the interpreter, the ranks' buffers in shared host memory: every rank gets the numbers
+    of add_rms_norm on the inputs' sum (exact here; the interpreter's rounding of the residual
+    add on both sides), a negative zero sent as a zero, programs with several rows, one and
+    none, both slot sets twice, and every slot EMPTY again at the end. The interpreter runs a
+    rank's programs one after another, so this cannot show why two slot sets are needed (a
+    peer's next rows landing before a slot was emptied); on GPUs over peer memory, with the sum
+    rounded once in rank order: test_tensor_parallel_cuda.py."""
+    result = run_in_interpreter(FUSED_SUM_RANKS)
     assert result.returncode == 0, result.stderr[-3000:]
