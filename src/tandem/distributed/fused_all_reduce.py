@@ -5,8 +5,8 @@ it, in one kernel over peer memory (CUDA, a decode step's few rows):
 
 with the numbers of `all_reduce` then `triton_ops.add_rms_norm` (the sum in fp32 in rank order,
 rounded once; every rank gets the same bits). Where a decode layer ran a one-shot all-reduce
-and a norm kernel, it runs this one, on groups of two ranks (at four its flagged version before
-this one cost more than it saved: `FUSED_ADD_NORM_MAX_RANKS` in group.py).
+and a norm kernel, it runs this one, on groups of two ranks (why not at four:
+`FUSED_ADD_NORM_MAX_RANKS` in group.py).
 
 How the ranks meet: every rank maps one buffer of every other (torch's symmetric memory), whose
 slots hold EMPTY (negative zero's bits) wherever no value is waiting. A call writes this rank's
