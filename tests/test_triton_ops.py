@@ -155,11 +155,11 @@ FUSED_SUM_RANKS = textwrap.dedent(
             summed = torch.stack(parts).float().sum(0).bfloat16()  # exact: eighths
             expected_residual = inputs(0, call, rows)[1]
             expected = add_rms_norm(summed, expected_residual, weight, 1e-5)
-            for rank, (got, calls) in by_rank.items():
+            for rank, (got, _) in by_rank.items():
                 out, residual = (torch.from_numpy(t).bfloat16() for t in got[call])
                 assert torch.equal(residual, expected_residual), (size, rank, call)
                 assert torch.equal(out, expected), (size, rank, call)
-        for rank, (got, calls) in by_rank.items():
+        for rank, (_, calls) in by_rank.items():
             assert calls == [len(ROWS)] * PROGRAMS, (size, rank)
         assert (shared == EMPTY).all(), size  # every slot read was emptied
     """
