@@ -68,6 +68,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 def test_on_by_default_on_cuda_and_off_on_the_cpu(monkeypatch):
     from tandem.cli import build_parser
+    from tandem.engine import config
     from tandem.engine.cli import engine_config_from_args
     from tandem.engine.config import EngineConfig
 
@@ -78,7 +79,7 @@ def test_on_by_default_on_cuda_and_off_on_the_cpu(monkeypatch):
         assert engine_config_from_args(args, "worker").async_scheduling is expected
     assert EngineConfig(device="cpu").resolved().async_scheduling is False
     assert EngineConfig(device="cpu", async_scheduling=True).resolved().async_scheduling is True
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config, "cuda_available", lambda: True)
     assert EngineConfig(device="cuda:0").resolved().async_scheduling is True
     on_cuda = EngineConfig(device="cuda:0", async_scheduling=False).resolved()
     assert on_cuda.async_scheduling is False

@@ -43,7 +43,8 @@ from tandem.models import registry
 from tandem.models.config import ModelConfig, MoEConfig
 from tandem.models.layers.mla import MLARotary
 from tandem.models.layers.moe import TopKRouter
-from tandem.models.loader import iter_safetensors, load_model, resolve_model
+from tandem.models.loader import iter_safetensors, load_model
+from tandem.models.source import resolve_model
 from tiny_models import DEEPSEEK_SHAPES, assert_generates, make_checkpoint, varied_prompts
 from worker_fixtures import start_worker
 

@@ -9,7 +9,7 @@ import shutil
 import httpx
 import pytest
 
-from tandem.models.loader import resolve_model, sampling_defaults
+from tandem.models.source import resolve_model, sampling_defaults
 from tandem.server.openai.completion_request import CompletionRequest
 from worker_fixtures import running_worker
 

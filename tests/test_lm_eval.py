@@ -112,7 +112,7 @@ def write_tasks(directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The default model's tokenizer as a Hugging Face directory, for lm-eval to tokenize with."""
-    from tandem.models.loader import load_tokenizer, resolve_model
+    from tandem.models.source import load_tokenizer, resolve_model
 
     directory = tmp_path_factory.mktemp("smollm2-tokenizer")
     load_tokenizer(resolve_model(DEFAULT_MODEL)).save_pretrained(directory)

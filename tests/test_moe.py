@@ -30,7 +30,8 @@ from tandem.engine.cli import engine_config_from_args
 from tandem.models import registry
 from tandem.models.config import ModelConfig, MoEConfig
 from tandem.models.layers.moe import FusedMoE, TopKRouter, experts_reference
-from tandem.models.loader import SHIPPED_CONFIGS, iter_safetensors, load_model, resolve_model
+from tandem.models.loader import iter_safetensors, load_model
+from tandem.models.source import SHIPPED_CONFIGS, resolve_model
 from tiny_models import MOE_SHAPES, assert_generates, make_checkpoint, varied_prompts
 
 NEW_TOKENS = 12

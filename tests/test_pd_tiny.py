@@ -1,5 +1,7 @@
 """PD on a tiny random checkpoint: token identity with a `both` worker, 32 concurrent requests
-on a decode worker short of KV blocks, and the first token ending the request at prefill.
+on a decode worker short of KV blocks, and the first token ending the request at prefill. The
+workers' API processes never load torch (the checkpoint has no tokenizer, whose transformers
+classes would; on two cores torch's import is 2 to 3 s of a worker's start).
 
 The decode worker gets only DECODE_KV_BLOCKS blocks, so under concurrency PD requests wait for
 blocks before their load can start; every request must still load its KV exactly once (its
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -181,3 +184,10 @@ def test_one_token_request_through_both_legs_frees_the_prefill(client, trio):
     finally:  # do not leave the lease to the tests that follow
         release = {"remote_request_id": params["remote_request_id"]}
         client.post(trio["prefill"].url + "/v1/kv/release", json=release)
+
+
+def test_the_api_processes_never_loaded_torch(trio):
+    """Last in the module: after every request above, PD transfers included."""
+    for name, worker in trio.items():
+        maps = Path(f"/proc/{worker.process.pid}/maps").read_text()
+        assert "libtorch" not in maps, f"the {name} worker's API process loaded torch"

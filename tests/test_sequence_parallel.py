@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from tandem.attention.base import AttentionMetadata, get_backend
 from tandem.distributed.group import TensorParallelGroup
-from tandem.models.loader import load_model, resolve_model
+from tandem.models.loader import load_model
+from tandem.models.source import resolve_model
 from test_tensor_parallel import run_ranks
 
 BLOCK_SIZE = 8

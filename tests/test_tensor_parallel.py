@@ -50,7 +50,8 @@ from tandem.executor.rank import MESSAGE_DECODER, BlockTables, RankReply, for_ot
 from tandem.models.config import ModelConfig
 from tandem.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tandem.models.loader import iter_safetensors, load_model, resolve_model
+from tandem.models.loader import iter_safetensors, load_model
+from tandem.models.source import resolve_model
 from tandem.server.main import ENGINE_DIED_EXIT_CODE
 from tiny_gguf import write_tiny_llama_gguf
 from tiny_models import assert_same_generations, mixed_sampling, varied_prompts

@@ -173,7 +173,7 @@ def test_trust_remote_code_refuses_an_architecture_tandem_does_not_implement(tmp
 def test_tokenizer_gives_a_config_in_dummy_weights_text(tmp_path, tokenizer_dir):
     """A shipped config (dummy weights in real shapes) has no tokenizer of its own: --tokenizer
     gives it one, a Hugging Face directory or a model whose tokenizer is taken."""
-    from tandem.models.loader import ModelNotFoundError, load_tokenizer, resolve_model
+    from tandem.models.source import ModelNotFoundError, load_tokenizer, resolve_model
 
     config_only = resolve_model("qwen3-0.6b")
     assert load_tokenizer(config_only) is None
@@ -374,7 +374,7 @@ def test_uvicorn_log_levels_are_uvicorns(capsys):
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer as a Hugging Face directory (what --tokenizer usually names)."""
-    from tandem.models.loader import load_tokenizer, resolve_model
+    from tandem.models.source import load_tokenizer, resolve_model
 
     directory = tmp_path_factory.mktemp("smollm2-tokenizer")
     load_tokenizer(resolve_model(DEFAULT_MODEL)).save_pretrained(directory)

@@ -239,7 +239,7 @@ def refuse_unknown_architecture(config, command: str) -> None:
     if not config.trust_remote_code:
         return
     from tandem.models.config import SUPPORTED_MODEL_TYPES
-    from tandem.models.loader import ModelNotFoundError, resolve_model
+    from tandem.models.source import ModelNotFoundError, resolve_model
 
     try:
         hf_config = resolve_model(config.model).hf_config

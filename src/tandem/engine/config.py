@@ -1,21 +1,40 @@
 """Engine settings, resolved once (device, dtype, backend) and then frozen.
 
-Values measured at start-up (the number of KV blocks) live in `KVCacheSpec`, not here.
+Values measured at start-up (the number of KV blocks) live in `KVCacheSpec`, not here. An API
+process holds these settings without importing torch (2 to 3 s of its start on a small CPU
+host); the engine process resolves them.
 """
 
 from __future__ import annotations
 
+import glob
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from tandem import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    import torch
 
 # A CPU core left to sleep between requests can take up to twice the host time over the next
 # eager prefill step, which on a GPU is mostly host time (kernel launches).
 BUSY_POLL_CUDA_S = 2.0
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# The device nodes of a host with NVIDIA GPUs (/dev/dxg: WSL2's, shared by every GPU)
+GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/dev/dxg")
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch on a host that has none of
+    GPU_DEVICE_NODES (where it would say False)."""
+    if not any(glob.glob(pattern) for pattern in GPU_DEVICE_NODES):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -65,10 +84,12 @@ class EngineConfig:
         """Replace every "auto" by what it means on this machine, and check the values."""
         device = self.device
         if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device.startswith("cuda") and not torch.cuda.is_available():
+            device = "cuda" if cuda_available() else "cpu"
+        if device.startswith("cuda") and not cuda_available():
             raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
         if device == "cuda":
+            import torch
+
             device = f"cuda:{torch.cuda.current_device()}"
         dtype = self.dtype
         if dtype == "auto":
@@ -87,6 +108,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be 1 or more")
         if device.startswith("cuda") and self.tensor_parallel_size > 1:
+            import torch
+
             first = torch.device(device).index
             if first + self.tensor_parallel_size > torch.cuda.device_count():
                 raise ValueError(
@@ -111,13 +134,15 @@ class EngineConfig:
 
     def busy_poll_seconds(self, device: str | None = None) -> float:
         """busy_poll_s with None replaced by the default of `device` (default: this config's),
-        without creating a CUDA context."""
+        without creating a CUDA context (nor importing torch on a host without NVIDIA GPUs)."""
         if self.busy_poll_s is not None:
             return self.busy_poll_s
         device = device or self.device
-        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        on_cpu = device == "cpu" or (device == "auto" and not cuda_available())
         return 0.0 if on_cpu else BUSY_POLL_CUDA_S
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)

@@ -45,7 +45,7 @@ from tandem.kv.connector.base import (
     NoKVConnectorScheduler,
     NoKVConnectorWorker,
 )
-from tandem.models.loader import resolve_model
+from tandem.models.source import resolve_model
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from tandem.engine.outputs import TokenLogprobs
 from tandem.engine.processor import InputProcessor, OutputProcessor
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import tokenizer_json
-from tandem.models.loader import load_tokenizer
+from tandem.models.source import load_tokenizer
 
 
 @dataclass

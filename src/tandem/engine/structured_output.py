@@ -27,10 +27,12 @@ import json
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the bitmasks are applied in the engine; an API process compiles grammars
+    import torch
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # A regex's (or a grammar's) token: an escape, a character class, a counted repetition, a
@@ -321,6 +323,8 @@ def grammar_bitmasks(grammars: Sequence[GrammarMatcher | None]) -> list[bytes | 
 def apply_grammar_bitmasks(logits: torch.Tensor, bitmasks: Sequence[bytes | None]) -> torch.Tensor:
     """The logits [rows, vocab] with -inf for the tokens each row's bitmask does not allow
     (rows without one as they are). The executor's side."""
+    import torch
+
     rows = [row for row, bitmask in enumerate(bitmasks) if bitmask is not None]
     if not rows:
         return logits

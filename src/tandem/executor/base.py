@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tandem.engine.outputs import RunnerOutput, SchedulerOutput
     from tandem.executor.runner import KVCacheSpec
     from tandem.kv.connector.base import KVConnectorWorker
-    from tandem.models.loader import ModelSource
+    from tandem.models.source import ModelSource
 
 
 class ExecutorFailedError(RuntimeError):

@@ -65,7 +65,7 @@ from tandem.executor.rank import (
 )
 from tandem.executor.runner import KVCacheSpec
 from tandem.kv.connector.base import KVConnectorWorker
-from tandem.models.loader import ModelSource
+from tandem.models.source import ModelSource
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

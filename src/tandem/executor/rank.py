@@ -30,7 +30,8 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.executor.runner import KVCacheSpec, ModelRunner, plan_kv_cache
 from tandem.executor.sampler import HostCopy, SampledTokens, Sampler
 from tandem.kv.connector.base import KVConnectorWorker, RankKVTransfer
-from tandem.models.loader import ModelSource, load_model
+from tandem.models.loader import load_model
+from tandem.models.source import ModelSource
 
 
 class PlanKVCache(msgspec.Struct, tag=True):

@@ -39,7 +39,7 @@ from tandem.executor.rank import (
 )
 from tandem.kv.connector.base import KVConnectorWorker, NoKVConnectorWorker, RankKVTransfer
 from tandem.lifetime import die_with_parent
-from tandem.models.loader import ModelSource
+from tandem.models.source import ModelSource
 
 logger = logging.getLogger(__name__)
 

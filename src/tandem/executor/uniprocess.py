@@ -19,7 +19,8 @@ from tandem.executor.runner import KVCacheSpec, ModelRunner, plan_kv_cache
 from tandem.executor.sampler import Sampler
 from tandem.kv.connector.base import KVConnectorWorker
 from tandem.models.base import CausalLM
-from tandem.models.loader import ModelSource, load_model
+from tandem.models.loader import load_model
+from tandem.models.source import ModelSource
 
 
 class UniprocessExecutor(Executor):

@@ -20,12 +20,12 @@ them there as the default of its own `--api-key` / `--cluster-token`.
 
 from __future__ import annotations
 
-import glob
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tandem.access import API_KEY_ENV, CLUSTER_TOKEN_ENV
+from tandem.engine.config import cuda_available
 from tandem.kv.data import auto_transport
 from tandem.launcher.cli import ROUTER_TUNING
 from tandem.launcher.cluster import WORKER_ROLES, ClusterError, ClusterSpec
@@ -45,8 +45,8 @@ class ProcessPlan:
 def resolve_device(device: str) -> tuple[str, int]:
     """("cpu" or "cuda", number of GPUs); `auto` means cuda when torch sees a GPU. A host
     without an NVIDIA device node has none: `auto` is cpu there without importing torch (2-3 s
-    of the launcher's start on a small CPU host)."""
-    if device == "cpu" or (device == "auto" and not glob.glob("/dev/nvidia[0-9]*")):
+    of the launcher's start on a small CPU host; `cuda_available`)."""
+    if device == "cpu" or (device == "auto" and not cuda_available()):
         return "cpu", 0
     import torch
 
@@ -99,7 +99,7 @@ def check_model_splits(spec: ClusterSpec) -> None:
     """ClusterError when a role's tensor_parallel_size cannot split the model (its attention
     heads, KV heads, MLP, experts), by the rule the worker refuses such a size with."""
     from tandem.distributed.sharding import check_tensor_parallel
-    from tandem.models.loader import resolve_model
+    from tandem.models.source import resolve_model
 
     for role in used_roles(spec):
         size = tensor_parallel_size(spec, role)

@@ -40,11 +40,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
 from tandem.models import gguf_loader
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads where weights do, not in an API process that wants a tokenizer
+    import torch
     from transformers import PreTrainedTokenizerFast
 
     from tandem.models.base import CausalLM
@@ -57,12 +56,8 @@ CONVERTER_PACKAGES = ("gguf", "transformers")
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
 
 T = TypeVar("T")
-# torch dtype -> its name in a safetensors header
-SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-}
+# a torch dtype's name -> its name in a safetensors header
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def default_cache_root() -> Path:
@@ -121,8 +116,10 @@ class GGUFCache:
         themselves (packed, in the model's dtype): on the CPU they become views of the cached
         file, mapped copy-on-write, so nothing is copied and every process that maps the file
         shares its pages; on another device they are copied there."""
+        import torch
+
         params = dict(model.named_parameters())  # a tied weight once
-        dtype_name = str(next(iter(params.values())).dtype).removeprefix("torch.")
+        dtype_name = dtype_name_of(next(iter(params.values())))
         tp = model.tp
         shard = f".tp{tp.size}-rank{tp.rank}" if tp.size > 1 else ""
 
@@ -248,11 +245,16 @@ def _load_config(target: Path) -> dict[str, Any]:
 
 
 def _load_tokenizer(target: Path) -> PreTrainedTokenizerFast:
-    from transformers import AutoTokenizer
-
     if not (target / "tokenizer.json").is_file():
         raise ValueError("tokenizer.json is missing")
-    return AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    settings = json.loads((target / "tokenizer_config.json").read_text())
+    # transformers' generic fast tokenizer (what it converts a GGUF file's into) loads without
+    # AutoTokenizer, whose import brings torch into an API process (2 to 3 s on two cores)
+    if settings.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    else:
+        from transformers import AutoTokenizer as tokenizer_class
+    return tokenizer_class.from_pretrained(str(target), local_files_only=True)
 
 
 def _write_tokenizer(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
@@ -276,6 +278,8 @@ def _map_parameters(target: Path, params: dict[str, torch.Tensor]) -> dict[str, 
     `params` (same name, dtype and shape). The header is read from the mapping itself and must
     describe exactly these tensors, covering the file without gaps (a truncated or damaged file is
     a ValueError)."""
+    import torch
+
     size = target.stat().st_size
     data = torch.from_file(str(target), shared=False, size=size, dtype=torch.uint8)
     header_size = int.from_bytes(data[:8].numpy().tobytes(), "little")
@@ -290,9 +294,8 @@ def _map_parameters(target: Path, params: dict[str, torch.Tensor]) -> dict[str, 
     for name, param in params.items():
         entry = header[name]
         begin, end = entry["data_offsets"]
-        if entry["dtype"] != SAFETENSORS_DTYPES.get(param.dtype) or entry["shape"] != list(
-            param.shape
-        ):
+        dtype = SAFETENSORS_DTYPES.get(dtype_name_of(param))
+        if entry["dtype"] != dtype or entry["shape"] != list(param.shape):
             raise ValueError(f"{name} is not a {param.dtype} tensor of shape {list(param.shape)}")
         if end - begin != param.numel() * param.element_size():
             raise ValueError(f"{name} has the wrong size")
@@ -305,3 +308,7 @@ def _map_parameters(target: Path, params: dict[str, torch.Tensor]) -> dict[str, 
         begin, end = header[name]["data_offsets"]
         state[name] = data[start + begin : start + end].view(param.dtype).view(param.shape)
     return state
+
+
+def dtype_name_of(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")

