@@ -85,7 +85,7 @@ class EngineConfig:
         device = self.device
         if device == "auto":
             device = "cuda" if cuda_available() else "cpu"
-        if device.startswith("cuda") and not cuda_available():
+        elif device.startswith("cuda") and not cuda_available():
             raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
         if device == "cuda":
             import torch
