@@ -14,7 +14,8 @@
   for it (a rank on NCCL alone loads its shard before a slow one has started).
 * Failures: a rank that dies ends the engine with a sentence naming it, and the worker exits;
   a step that never returns after the death (as one waiting on the GPU for the dead rank would)
-  ends the process with a line saying why; shutdown leaves no rank process behind.
+  ends the process with a line saying why, and so does a step waiting on a rank that is alive
+  but stopped, at the execute-model timeout; shutdown leaves no rank process behind.
 """
 
 from __future__ import annotations
@@ -504,6 +505,58 @@ def test_a_step_still_running_after_a_ranks_death_ends_the_process(tiny_checkpoi
     assert "Timeout (0:00:01)!" in result.stderr and "in stuck_step" in result.stderr
     assert "the step returned" not in result.stdout
     assert time.monotonic() - started < 90
+
+
+STOPPED_RANK = textwrap.dedent(
+    """
+    import os, signal, sys
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(sys.argv[1], num_kv_blocks=64, tensor_parallel_size=2)
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([[5, 6, 7]], greedy)
+    (rank,) = llm.core.executor.processes
+    print(rank.pid, flush=True)
+    os.kill(rank.pid, signal.SIGSTOP)  # alive, but its side of every collective never comes
+    llm.generate([[5, 6, 7]], greedy)
+    print("the step returned")
+    """
+)
+
+
+def test_a_step_that_waits_on_a_stopped_rank_ends_at_the_timeout(tiny_checkpoints):
+    """No rank dies: rank 0's step waits in gloo's sum (whose own timeout is 120 s) for a rank
+    that is stopped, as a step waits on a GPU whose peer kernel never comes. The step's timeout
+    ends the process, naming its cause, with the stack of the wait."""
+    model = str(tiny_checkpoints["llama-gqa"])
+    env = dict(os.environ, TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS="2")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", STOPPED_RANK, model], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(
+        r"the engine's step has run for \d+ s \(TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS=2\)",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert "in all_reduce" in result.stderr, result.stderr[-3000:]
+    assert "the step returned" not in result.stdout
+    assert time.monotonic() - started < 60
+    rank_pid = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while alive(rank_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(rank_pid)  # killed with its parent, stopped or not
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan"])
+def test_a_step_timeout_that_is_not_a_positive_number_is_refused(
+    value, tiny_checkpoints, monkeypatch
+):
+    monkeypatch.setenv("TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS", value)
+    with pytest.raises(ValueError, match="TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS must be a number"):
+        LLM(str(tiny_checkpoints["llama-gqa"]), num_kv_blocks=64, tensor_parallel_size=2)
 
 
 # --- the HTTP worker --------------------------------------------------------------------------

@@ -18,7 +18,9 @@ waits on the rank processes; when one exits, the executor has failed (`check_hea
 at once, NCCL's is aborted). A death in a step (its launch, or the wait for its output) also
 arms faulthandler's watchdog, outside the interpreter: a step still running STUCK_STEP_EXIT_S
 later waits on the GPU for the dead rank (peer-memory kernels have no timeout; NCCL's abort then
-hangs too), so it writes every thread's stack to stderr and ends the process (code 1).
+hangs too), so it writes every thread's stack to stderr and ends the process (code 1). A step
+that runs past the execute-model timeout with every rank alive (a rank stopped, a collective
+that never meets) ends the process the same way: it would wait for ever.
 Shutdown, or the executor's end without it (an offline engine at the interpreter's exit), stops
 every rank (Shutdown, then SIGKILL; ranks ignore SIGINT and SIGTERM, which a terminal or a
 supervisor sends the worker's whole process group); the ranks die with the engine core anyway.
@@ -76,12 +78,18 @@ DEATH_GRACE_S = 1.0  # a step that raised: how long to wait for a rank's exit to
 # A rank died in the middle of rank 0's step, which is still running this long after (a step
 # fails at its next collective, gloo's or an aborted NCCL's): it waits on the GPU for ever.
 STUCK_STEP_EXIT_S = 30.0
+# One call of rank 0's step (its launch, or the wait for its output) still running this long
+# waits for a rank that will not answer, dead or not (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).
+STEP_TIMEOUT_ENV = "TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+STEP_TIMEOUT_S = 300.0
+STEP_CHECK_S = 1.0  # how often the monitor looks at the step's age
 
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         size = config.tensor_parallel_size
         check_tensor_parallel(source.config, size, config.enable_expert_parallel)
+        step_timeout = step_timeout_s()
         self.size = size
         self.stopping = False
         self.encoder = msgspec.msgpack.Encoder()
@@ -103,7 +111,7 @@ class MultiprocExecutor(Executor):
             self.inputs.append(socket)
             arguments = (config, source, rank, address, input_address, reply_address)
             self.processes.append(start_rank(arguments))
-        self.monitor = RankMonitor(self.processes)
+        self.monitor = RankMonitor(self.processes, step_timeout)
         # An executor dropped without shutdown() (an offline engine at the interpreter's exit)
         # still stops its ranks, the same way.
         self._finalizer = weakref.finalize(
@@ -230,32 +238,51 @@ def start_rank(arguments: tuple) -> subprocess.Popen:
     return process
 
 
+def step_timeout_s() -> float:
+    value = os.environ.get(STEP_TIMEOUT_ENV, "")
+    try:
+        timeout = float(value) if value else STEP_TIMEOUT_S
+    except ValueError:
+        timeout = 0.0
+    if not timeout > 0:
+        raise ValueError(f"{STEP_TIMEOUT_ENV} must be a number of seconds above 0, not {value!r}")
+    return timeout
+
+
 class RankMonitor:
     """A thread per rank process, waiting for it to exit: the first to exit, unless stopped
     first, sets `failure` and aborts the group's pending NCCL collectives; if rank 0 is in a
-    step then, a watchdog ends this process unless the step returns within STUCK_STEP_EXIT_S."""
+    step then, a watchdog ends this process unless the step returns within STUCK_STEP_EXIT_S.
+    One more thread ends this process, every thread's stack on stderr, when a call of the step
+    has run for `step_timeout_s` seconds."""
 
-    def __init__(self, processes: list[subprocess.Popen]) -> None:
+    def __init__(self, processes: list[subprocess.Popen], step_timeout_s: float) -> None:
         self.failure: str | None = None
         self.tp: TensorParallelGroup | None = None  # once joined
         self.stopped = False
+        self.step_timeout_s = step_timeout_s
         self._lock = threading.Lock()  # orders a step's start and end against a death
         self._in_step = False
+        self._step_started = 0.0
         self._watchdog = False
+        self._stopping = threading.Event()
         for rank, process in enumerate(processes, start=1):
             threading.Thread(
                 target=self._watch, args=(rank, process), name=f"tp-rank{rank}-monitor",
                 daemon=True,
             ).start()  # fmt: skip
+        threading.Thread(target=self._watch_steps, name="tp-step-monitor", daemon=True).start()
 
     def stop(self) -> None:
         self.stopped = True
+        self._stopping.set()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Rank 0's step runs within it; a step that returns, or raises, disarms the watchdog."""
         with self._lock:
             self._in_step = True
+            self._step_started = time.monotonic()
         try:
             yield
         finally:
@@ -286,6 +313,21 @@ class RankMonitor:
         tp = self.tp
         if tp is not None and tp.uses_nccl:
             tp.abort()  # NCCL would wait on the dead rank: fail what is pending
+
+    def _watch_steps(self) -> None:
+        while not self._stopping.wait(STEP_CHECK_S):
+            with self._lock:
+                running_s = time.monotonic() - self._step_started
+                if not self._in_step or self._watchdog or running_s < self.step_timeout_s:
+                    continue
+                logger.critical(
+                    "the engine's step has run for %.0f s (%s=%g): a kernel or a collective "
+                    "waits for a tensor-parallel rank that does not answer; this process ends, "
+                    "every thread's stack on stderr", running_s, STEP_TIMEOUT_ENV,
+                    self.step_timeout_s,
+                )  # fmt: skip
+                faulthandler.dump_traceback(all_threads=True)
+                os._exit(1)
 
 
 def stop_ranks(
