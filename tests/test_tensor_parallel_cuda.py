@@ -7,8 +7,9 @@ TP=2 identical to transformers and to TP=1, with the decode CUDA graphs (their c
 captured) and without, and with every all-reduce on NCCL (these two at TP=4 too, given four
 GPUs); and PD over tcp from a prefill worker at TP=1 to a decode worker at TP=2, and from a
 TP=2 prefill worker whose prompt steps split to a TP=1 decode worker, token-identical to a
-colocated worker, with nothing held afterwards; a TP=2 worker whose rank 1 is killed while it
-decodes streams ends them with an error and exits. Skipped without two GPUs."""
+colocated worker, with nothing held afterwards; a TP=2 worker whose rank 1 is killed, or
+stopped, while it decodes streams ends them with an error and exits. Skipped without two
+GPUs."""
 
 from __future__ import annotations
 
@@ -390,11 +391,21 @@ def stream_events(url: str, prompt: list[int], max_tokens: int, seen: list) -> N
                 seen.append(line.removeprefix("data: "))
 
 
-def test_a_rank_killed_while_decoding_ends_the_worker(tmp_path, tiny_checkpoints):
+STEP_TIMEOUT_S = 10
+
+
+@pytest.mark.parametrize(
+    "signal_to_rank", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"]
+)
+def test_a_rank_killed_or_stopped_while_decoding_ends_the_worker(
+    signal_to_rank, tmp_path, tiny_checkpoints, monkeypatch
+):
     """A TP=2 worker decoding streams with its CUDA graphs in bf16 (every sum in a peer-memory
-    kernel that waits for the other rank's flag on the GPU): rank 1 SIGKILLed mid-stream. Rank
-    0's step cannot return, so its process exits STUCK_STEP_EXIT_S later; each stream then ends
+    kernel that waits for the other rank's values on the GPU): rank 1 SIGKILLed, or SIGSTOPped
+    (alive, so no death is seen), mid-stream. Rank 0's step cannot return, so its process exits
+    STUCK_STEP_EXIT_S after the death, or at the execute-model timeout; each stream then ends
     with an error event, the worker exits with ENGINE_DIED_EXIT_CODE, and no process is left."""
+    monkeypatch.setenv("TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(STEP_TIMEOUT_S))
     model = str(long_context_copy(tiny_checkpoints["llama-gqa"], tmp_path / "long"))
     flags = ["--device", "cuda:0", "-tp", "2", "--dtype", "bfloat16", "--max-model-len", "4096"]
     worker = start_worker(tmp_path, *flags, "--num-kv-blocks", "2048", model=model)
@@ -412,22 +423,29 @@ def test_a_rank_killed_while_decoding_ends_the_worker(tmp_path, tiny_checkpoints
         while min(map(len, streams)) < 20:  # every stream is decoding
             assert time.monotonic() < deadline, ([len(seen) for seen in streams], worker.log_tail())
             time.sleep(0.01)
-        os.kill(rank_pid, signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(rank_pid, signal_to_rank)
+        signalled = time.monotonic()
         code = worker.process.wait(STUCK_STEP_EXIT_S + 60)
-        exited_s = time.monotonic() - killed
+        exited_s = time.monotonic() - signalled
         log = worker.log_tail(100_000)
         assert code == ENGINE_DIED_EXIT_CODE, log
-        assert f"tensor-parallel rank 1 (pid {rank_pid}) exited with code -9" in log, log
-        # the watchdog's dump: the step did not return
-        assert f"Timeout (0:00:{STUCK_STEP_EXIT_S:02.0f})!" in log, log
-        print(f"the worker exited {exited_s:.1f} s after the kill")
+        if signal_to_rank == signal.SIGKILL:
+            assert f"tensor-parallel rank 1 (pid {rank_pid}) exited with code -9" in log, log
+            # the watchdog's dump: the step did not return
+            assert f"Timeout (0:00:{STUCK_STEP_EXIT_S:02.0f})!" in log, log
+        else:
+            assert "the engine's step has run for" in log, log
+            assert STEP_TIMEOUT_S <= exited_s < STEP_TIMEOUT_S + 30, log
+        print(f"the worker exited {exited_s:.1f} s after rank 1 was sent {signal_to_rank.name}")
         for reader in readers:
             reader.join(10)
         assert not any(reader.is_alive() for reader in readers), "a stream hung"
         for seen in streams:  # cut short: an error event, then the end of the stream
             assert seen[-1] == "[DONE]" and "error" in json.loads(seen[-2]), seen[-2:]
             assert len(seen) < STREAM_TOKENS
+        deadline = time.monotonic() + 10  # a stopped rank is killed with the engine's process
+        while (alive(engine_pid) or alive(rank_pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not alive(engine_pid) and not alive(rank_pid)
     finally:
         worker.stop()
