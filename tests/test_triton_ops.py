@@ -3,6 +3,7 @@ interpreter (in a subprocess, so the setting does not leak), and on a GPU in bfl
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -177,3 +178,37 @@ def test_fused_sum_kernel_on_two_and_four_ranks_in_the_interpreter():
     rounded once in rank order: test_tensor_parallel_cuda.py."""
     result = run_in_interpreter(FUSED_SUM_RANKS)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_fused_sums_call_count_is_one_atomic_for_the_whole_program():
+    """Compiled for an H100/H200 (sm_90, no GPU needed): the program's call count, whose parity
+    picks the slot set, is raised by one atomic whose value every warp then reads from shared
+    memory. It was a load by every thread and a store by one: a warp that loaded after the
+    store took the other slot set for its part of the row, and the ranks waited on each other
+    for ever (seen on four H200s: half of a row in each set, docs/benchmarks.md). The
+    interpreter runs a program as one thread, so only the compiled code shows this."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from tandem.distributed import fused_all_reduce as F
+
+    kernel = F._all_reduce_add_rms_norm_kernel
+    pointers = {"buffers_ptr": "*i64", "calls_ptr": "*i64", "x_ptr": "*bf16",
+                "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
+    _, bits, empty = F.BITS[2]
+    constants = {"RANKS": 4, "PROGRAMS": F.PROGRAMS, "BITS": bits, "EMPTY": empty, "BLOCK": 4096,
+                 "USE_PDL": True}  # fmt: skip
+    signature = {
+        name: pointers.get(name) or ("constexpr" if name in constants else "fp32" if name == "eps"
+                                     else "i32")
+        for name in kernel.arg_names
+    }  # fmt: skip
+    source = ASTSource(
+        fn=kernel, signature=signature,
+        constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()},
+    )  # fmt: skip
+    ptx = compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    atomics = re.findall(r"^\s*(@%p\d+ )?atom\.global\.[\w.]*add\.u64 ", ptx, re.MULTILINE)
+    assert len(atomics) == 1, atomics
+    assert atomics[0], "every thread makes the atomic, not one"
+    assert "st.global.b64" not in ptx  # the count is not stored apart from the atomic

@@ -14,7 +14,8 @@ rows into its own slot of every rank's buffer (a negative zero goes as a positiv
 reads the slots of its own buffer until no element is EMPTY, sums them, and writes EMPTY back:
 the values are their own flags, so no fence or flag round trip stands between a rank's write
 and its peer's read. The grid is always PROGRAMS programs, program p taking rows p, p +
-PROGRAMS, ..., with its own call count (the ranks make the same calls, so the counts agree).
+PROGRAMS, ..., with its own call count (the ranks make the same calls, so the counts agree; all
+the warps of a program take its value from one atomic).
 Calls alternate between two sets of slots: a peer writes a set again two calls later, after it
 has read this rank's rows of the call between, which this rank wrote only after its kernel
 that emptied the set had ended. So the kernel is captured in CUDA graphs like any other.
@@ -58,8 +59,10 @@ def _all_reduce_add_rms_norm_kernel(
 ):
     wait_for_previous(USE_PDL)
     program = tl.program_id(0)
-    call = tl.load(calls_ptr + program) + 1
-    tl.store(calls_ptr + program, call)
+    # one atomic, its value broadcast to the program's warps: a load and a store here let a
+    # warp that read late see the count another warp had already raised, and take the other
+    # slot set for its part of the row (the ranks then wait on each other for ever)
+    call = tl.atomic_add(calls_ptr + program, 1) + 1
     parity = call % 2
     cols = tl.arange(0, BLOCK)
     mask = cols < width
