@@ -3,7 +3,8 @@ and a worker whose GGUF file another process has converted already reads everyth
 (nothing converted again, the cached files untouched). Its stop leaves nothing in the log from the
 interpreter's teardown (the API process no longer loads Triton, whose bindings reported a hundred
 lines of "leaked" objects at every exit). Its API process, the tokenizer loaded from the cache
-and requests served, never loads torch (2 to 3 s of a start on two cores)."""
+and requests served, never loads torch (2 to 3 s of a start on two cores), and its engine on the
+CPU never loads Triton (0.4 s), whose kernels run only on CUDA."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from process_tree import children_of
 from tandem.attention.base import get_backend
 from tandem.models.gguf_cache import GGUFCache
 from tandem.models.loader import load_model
@@ -43,6 +45,9 @@ def test_worker_logs_durations_and_reads_the_cache(tmp_path, monkeypatch):
             response = httpx.post(worker.url + path, json=body, timeout=60)
             assert response.status_code == 200, response.text
         api_process_maps = Path(f"/proc/{worker.process.pid}/maps").read_text()
+        children_maps = [
+            Path(f"/proc/{pid}/maps").read_text() for pid in children_of(worker.process.pid)
+        ]
         log = worker.log_path.read_text()
     after_stop = worker.log_path.read_text()[len(log) :]
     assert "Application shutdown complete" in after_stop, after_stop
@@ -58,3 +63,6 @@ def test_worker_logs_durations_and_reads_the_cache(tmp_path, monkeypatch):
     assert "converting" not in log
     assert {path.name: path.stat().st_mtime_ns for path in entry.iterdir()} == written
     assert "libtorch" not in api_process_maps
+    engines = [maps for maps in children_maps if "libtorch" in maps]
+    assert len(engines) == 1, len(children_maps)
+    assert "libtriton" not in engines[0]

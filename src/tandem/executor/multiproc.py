@@ -8,22 +8,20 @@ own process (next to the scheduler), ranks 1.. in processes of their own (`rank_
                  logits gathered on rank 0 -> sample -> RunnerOutput
 
 Why ZeroMQ for the step's input, not a torch.distributed broadcast: the engine already speaks
-msgpack over ZeroMQ ipc sockets; a send does not wait for the other ranks (rank 0 starts its own
-forward at once, they start theirs as the message lands: their first collective syncs them); it
-needs no second, CPU-side process group next to NCCL's; and a dead rank cannot block it.
+msgpack over ZeroMQ ipc sockets; a send does not wait for the other ranks (they start as it
+lands; their first collective syncs them); it needs no CPU-side group beside NCCL's; and a dead
+rank cannot block it.
 
 Failures: a rank that fails to start fails the engine's start with its error. A monitor thread
 waits on the rank processes; when one exits, the executor has failed (`check_health` raises
 `ExecutorFailedError`, which ends the engine, idle or mid-step: gloo's pending collective raises
-at once, NCCL's is aborted). A death in a step (its launch, or the wait for its output) also
-arms faulthandler's watchdog, outside the interpreter: a step still running STUCK_STEP_EXIT_S
-later waits on the GPU for the dead rank (peer-memory kernels have no timeout; NCCL's abort then
-hangs too), so it writes every thread's stack to stderr and ends the process (code 1). A step
-that runs past the execute-model timeout with every rank alive (a rank stopped, a collective
-that never meets) ends the process the same way: it would wait for ever.
-Shutdown, or the executor's end without it (an offline engine at the interpreter's exit), stops
-every rank (Shutdown, then SIGKILL; ranks ignore SIGINT and SIGTERM, which a terminal or a
-supervisor sends the worker's whole process group); the ranks die with the engine core anyway.
+at once, NCCL's is aborted). A death in a step also arms faulthandler's watchdog: a step still
+running STUCK_STEP_EXIT_S later waits on the GPU for the dead rank (peer-memory kernels have no
+timeout; NCCL's abort then hangs too), so every thread's stack goes to stderr and the process
+ends (code 1), as when a step runs past the execute-model timeout with every rank alive.
+Shutdown, or the executor's end without it (an offline engine at exit), stops every rank
+(Shutdown, then SIGKILL; ranks ignore the SIGINT and SIGTERM that a terminal or a supervisor
+sends the worker's process group); the ranks die with the engine core anyway.
 """
 
 from __future__ import annotations

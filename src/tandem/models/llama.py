@@ -31,7 +31,7 @@ from tandem.attention.base import AttentionBackend, AttentionMetadata
 from tandem.distributed.group import TensorParallelGroup
 from tandem.models.base import KVCacheLayout
 from tandem.models.config import ModelConfig
-from tandem.models.layers import triton_ops
+from tandem.models.layers import fused_kernels
 from tandem.models.layers.activation import SiluAndMul
 from tandem.models.layers.attention import ForwardContext, PagedAttention
 from tandem.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -98,7 +98,7 @@ class LlamaAttention(nn.Module):
             qk_norm = None
             if self.qk_norm:
                 qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            q = triton_ops.qk_norm_rotary_store(
+            q = fused_kernels().qk_norm_rotary_store(
                 qkv, self.num_heads, self.num_kv_heads, context.positions, rotary.inv_freq,
                 qk_norm, layer_cache[0], layer_cache[1], context.slot_mapping,
             )  # fmt: skip

@@ -83,9 +83,9 @@ def _without_parameter_init() -> Iterator[None]:
 
 
 def triton_available() -> bool:
-    from tandem.models import layers
+    from tandem.models.layers import fused_kernels
 
-    return layers.triton_ops is not None
+    return fused_kernels() is not None
 
 
 def load_model(

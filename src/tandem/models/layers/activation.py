@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.models.layers import triton_ops
+from tandem.models.layers import fused_kernels
 
 
 class SiluAndMul(nn.Module):
@@ -18,6 +18,6 @@ class SiluAndMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return triton_ops.silu_and_mul(gate_up)
+            return fused_kernels().silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -36,7 +36,7 @@ from torch import nn
 
 from tandem.distributed.group import TensorParallelGroup
 from tandem.distributed.sharding import HeadRange, even_part, kv_head_range
-from tandem.models.layers import triton_ops
+from tandem.models.layers import fused_kernels
 from tandem.models.layers.norm import RMSNorm
 
 # A checkpoint tensor: a tensor, or a safetensors slice that reads what it is indexed with.
@@ -102,9 +102,9 @@ class LinearBase(nn.Module, abc.ABC):
         if (
             self.fused
             and x.dtype != torch.float32
-            and triton_ops.prefers_small_batch_linear(x.shape[0], *self.weight.shape)
+            and fused_kernels().prefers_small_batch_linear(x.shape[0], *self.weight.shape)
         ):
-            return triton_ops.small_batch_linear(x, self.weight, bias)
+            return fused_kernels().small_batch_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

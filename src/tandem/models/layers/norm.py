@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.models.layers import triton_ops
+from tandem.models.layers import fused_kernels
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return triton_ops.rms_norm(x, self.weight, self.eps)
+            return fused_kernels().rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -28,6 +28,6 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); the fused kernel updates residual in place."""
         if self.fused:
-            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+            return fused_kernels().add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = x + residual
         return self.forward(residual), residual
