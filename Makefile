@@ -29,7 +29,7 @@ SERVE_FLAGS = $(if $(call given,PORT),--port $(PORT)) $(if $(call given,MODEL),-
 serve: $(VENV)/.installed
 	$(VENV)/bin/tandem serve $(strip $(SERVE_FLAGS))
 
-# `make test`: the suite without the tests marked slow (about 13 minutes on two cores);
+# `make test`: the suite without the tests marked slow (about 14 minutes on two cores);
 # `make test-all`: every test (lm-eval through PD, the bench against a real worker, more
 # engine-against-transformers variants). JOBS test files run at once (pytest-xdist; each file's
 # tests stay in one process, so its module fixtures start once): most of a test's time is spent
