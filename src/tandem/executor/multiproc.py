@@ -257,13 +257,11 @@ class RankMonitor:
     def __init__(self, processes: list[subprocess.Popen], step_timeout_s: float) -> None:
         self.failure: str | None = None
         self.tp: TensorParallelGroup | None = None  # once joined
-        self.stopped = False
         self.step_timeout_s = step_timeout_s
         self._lock = threading.Lock()  # orders a step's start and end against a death
-        self._in_step = False
-        self._step_started = 0.0
+        self._step_started: float | None = None  # when rank 0's step began; None between
         self._watchdog = False
-        self._stopping = threading.Event()
+        self.stopped = threading.Event()
         for rank, process in enumerate(processes, start=1):
             threading.Thread(
                 target=self._watch, args=(rank, process), name=f"tp-rank{rank}-monitor",
@@ -272,27 +270,25 @@ class RankMonitor:
         threading.Thread(target=self._watch_steps, name="tp-step-monitor", daemon=True).start()
 
     def stop(self) -> None:
-        self.stopped = True
-        self._stopping.set()
+        self.stopped.set()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Rank 0's step runs within it; a step that returns, or raises, disarms the watchdog."""
         with self._lock:
-            self._in_step = True
             self._step_started = time.monotonic()
         try:
             yield
         finally:
             with self._lock:
-                self._in_step = False
+                self._step_started = None
                 if self._watchdog:
                     faulthandler.cancel_dump_traceback_later()
                     self._watchdog = False
 
     def _watch(self, rank: int, process: subprocess.Popen) -> None:
         code = process.wait()
-        if self.stopped or self.failure is not None:
+        if self.stopped.is_set() or self.failure is not None:
             return
         self.failure = (
             f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code}: the "
@@ -300,7 +296,7 @@ class RankMonitor:
         )
         logger.critical("%s", self.failure)
         with self._lock:
-            if self._in_step:
+            if self._step_started is not None:
                 logger.critical(
                     "if the engine's step has not returned %.0f s after tensor-parallel rank %d "
                     "died (a kernel on the GPU waits for it), this process ends, every thread's "
@@ -313,10 +309,12 @@ class RankMonitor:
             tp.abort()  # NCCL would wait on the dead rank: fail what is pending
 
     def _watch_steps(self) -> None:
-        while not self._stopping.wait(STEP_CHECK_S):
+        while not self.stopped.wait(STEP_CHECK_S):
             with self._lock:
+                if self._step_started is None or self._watchdog:
+                    continue
                 running_s = time.monotonic() - self._step_started
-                if not self._in_step or self._watchdog or running_s < self.step_timeout_s:
+                if running_s < self.step_timeout_s:
                     continue
                 logger.critical(
                     "the engine's step has run for %.0f s (%s=%g): a kernel or a collective "
