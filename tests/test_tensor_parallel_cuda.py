@@ -188,8 +188,9 @@ def rank_fused_sums(rank: int, size: int, address) -> list:
     return calls
 
 
-def test_the_sum_fused_with_add_and_norm_equals_the_sum_then_the_norm():
-    size = FUSED_ADD_NORM_MAX_RANKS
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=FOUR_GPUS)])
+def test_the_sum_fused_with_add_and_norm_equals_the_sum_then_the_norm(size):
+    assert size <= FUSED_ADD_NORM_MAX_RANKS
     by_rank = on_ranks(rank_fused_sums, size)
     rows = FUSED_ROWS + [1] * FUSED_GRAPH_REPLAYS
     for rank, calls in by_rank.items():

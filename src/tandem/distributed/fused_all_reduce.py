@@ -5,8 +5,8 @@ it, in one kernel over peer memory (CUDA, a decode step's few rows):
 
 with the numbers of `all_reduce` then `triton_ops.add_rms_norm` (the sum in fp32 in rank order,
 rounded once; every rank gets the same bits). Where a decode layer ran a one-shot all-reduce
-and a norm kernel, it runs this one, on groups of two ranks (why not at four:
-`FUSED_ADD_NORM_MAX_RANKS` in group.py).
+and a norm kernel, it runs this one, on groups of up to four ranks (`FUSED_ADD_NORM_MAX_RANKS`
+in group.py).
 
 How the ranks meet: every rank maps one buffer of every other (torch's symmetric memory), whose
 slots hold EMPTY (negative zero's bits) wherever no value is waiting. A call writes this rank's
@@ -15,7 +15,7 @@ reads the slots of its own buffer until no element is EMPTY, sums them, and writ
 the values are their own flags, so no fence or flag round trip stands between a rank's write
 and its peer's read. The grid is always PROGRAMS programs, program p taking rows p, p +
 PROGRAMS, ..., with its own call count (the ranks make the same calls, so the counts agree; all
-the warps of a program take its value from one atomic).
+the warps of a program take its value from one atomic, relaxed: kernel boundaries order the calls).
 Calls alternate between two sets of slots: a peer writes a set again two calls later, after it
 has read this rank's rows of the call between, which this rank wrote only after its kernel
 that emptied the set had ended. So the kernel is captured in CUDA graphs like any other.
@@ -62,7 +62,7 @@ def _all_reduce_add_rms_norm_kernel(
     # one atomic, its value broadcast to the program's warps: a load and a store here let a
     # warp that read late see the count another warp had already raised, and take the other
     # slot set for its part of the row (the ranks then wait on each other for ever)
-    call = tl.atomic_add(calls_ptr + program, 1) + 1
+    call = tl.atomic_add(calls_ptr + program, 1, sem="relaxed") + 1
     parity = call % 2
     cols = tl.arange(0, BLOCK)
     mask = cols < width

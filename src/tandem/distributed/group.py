@@ -47,15 +47,13 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 # Sums up to this size read the peers' copies directly; larger ones (a prompt's) go through NCCL,
 # whose ring is faster once the bytes, not the latency, dominate.
 PEER_MEMORY_MAX_BYTES = 1 << 20
-# Two ways of summing kept to groups of two ranks (docs/benchmarks.md, the 8B shape on H200s).
-# The sum fused with the residual add and RMSNorm after it took 0.2 to 0.6 ms off a decode step
-# of 32 and 64 sequences at two ranks; at four its flagged version cost 0.2 ms at batch 1, and
-# the one without flags took 0.2 ms off TP=4's steps but hung in about one start in five: its
-# warps could disagree on the call count (fixed since; four starts at four ranks finished, too
-# few yet to trust it there). A prompt step split over the ranks took an 8192-token prefill
-# from 137 to 132 ms at two, and from 86 to 130 ms at four. Groups of more ranks keep the
-# one-shot sum and NCCL.
-FUSED_ADD_NORM_MAX_RANKS = 2
+# Two ways of summing kept to small groups (docs/benchmarks.md, the 8B shape on H200s). The sum
+# fused with the residual add and RMSNorm after it took 0.2 to 0.6 ms off a decode step of 32 and
+# 64 sequences at two ranks and 0.2 ms off TP=4's steps (19 starts in a row at four ranks since
+# its call count is one atomic; about one in five hung before). Eight ranks were never measured.
+# A prompt step split over the ranks took an 8192-token prefill from 137 to 132 ms at two, and
+# from 86 to 130 ms at four. Larger groups keep the one-shot sum and NCCL.
+FUSED_ADD_NORM_MAX_RANKS = 4
 SEQUENCE_SPLIT_MAX_RANKS = 2
 # A step of at least this many tokens may run sequence-parallel.
 SEQUENCE_SPLIT_MIN_TOKENS = 2048
