@@ -1040,6 +1040,39 @@ def test_a_wait_whose_server_end_vanished_is_found_by_keepalive_and_retried(
     assert time.monotonic() - started < 5.0
 
 
+def test_a_wait_on_an_engine_restarted_on_its_address_fails_at_once(make_server, client):
+    """A decode waits on engine a's KV server; the worker restarts on the same port as engine
+    b, whose server never saw the handoff: the wait, tried again there, fails at once
+    ("not_found"), not at its deadline (what a's engine would have announced died with it)."""
+    first, _ = make_server(engine_id="a")
+    port = first.port
+    started = time.monotonic()
+    outcome: list = []
+
+    def wait() -> None:
+        try:
+            client.await_announcement("127.0.0.1", port, "h", timeout=10.0, engine_id="a")
+        except KVTransferError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiting_connection(first, "h")
+    first.close()
+    second = KVServer("127.0.0.1", port, engine_id="b")
+    try:
+        waiter.join(10.0)
+        [error] = outcome
+        assert error.kind == "not_found" and "engine a is gone" in str(error)
+        assert time.monotonic() - started < 5.0
+        # a wait for the engine that serves there is waited on as before
+        second.announce("h2", {"x": 1})
+        answer = client.await_announcement("127.0.0.1", port, "h2", timeout=5.0, engine_id="b")
+        assert answer == {"x": 1}
+    finally:
+        second.close()
+
+
 def test_a_wait_that_breaks_more_often_than_its_retries_fails(make_server, retrying_client):
     client, retries = retrying_client
     server, _ = make_server()

@@ -136,6 +136,7 @@ def run_engine_core(
         vocab_size=core.model_config.vocab_size,
         eos_token_ids=core.eos_token_ids,
         kv_port=core.connector.kv_port,
+        kv_engine_id=core.connector.kv_engine_id,
         kv_layout=core.connector.kv_layout,
     )
     # What start-up built (the model, its modules, the tokenizer's tables) lives as long as the

@@ -32,6 +32,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     vocab_size: int
     eos_token_ids: frozenset[int]
     kv_port: int | None = None  # where the KV server listens (workers that serve their KV)
+    kv_engine_id: str | None = None  # which engine that KV server answers for
     kv_layout: str | None = None  # what its transfers carry (workers with a KV transport)
 
 

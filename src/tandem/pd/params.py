@@ -34,14 +34,20 @@ def prefill_kv_params(handoff_id: str | None = None) -> dict[str, Any]:
 
 
 def handoff_decode_params(
-    handoff_id: str, host: str | None, port: int | None, transport: str | None
+    handoff_id: str,
+    host: str | None,
+    port: int | None,
+    transport: str | None,
+    engine_id: str | None = None,
 ) -> KVTransferParams:
     """A decode leg that goes out with the prefill leg and waits on the prefill worker's KV
-    server (`host`:`port`, over `transport`) for the announcement of `handoff_id`."""
+    server (`host`:`port`, over `transport`) for the announcement of `handoff_id`; when
+    `engine_id` is known, only that engine's server may answer (not one restarted there)."""
     return KVTransferParams(
         do_remote_prefill=True,
         do_remote_decode=False,
         handoff_id=handoff_id,
+        remote_engine_id=engine_id,
         remote_host=host,
         remote_port=port,
         kv_transport=transport,

@@ -398,7 +398,11 @@ class Flows:
             handoff_id = uuid.uuid4().hex
             endpoint = handoff_from.kv_endpoint or {}
             params = handoff_decode_params(
-                handoff_id, endpoint.get("host"), endpoint.get("port"), endpoint.get("transport")
+                handoff_id,
+                endpoint.get("host"),
+                endpoint.get("port"),
+                endpoint.get("transport"),
+                endpoint.get("engine_id"),
             )
             legs = HttpLegs(
                 self, ctx, prefix, handoff_from, handoff_id, decode_policy=decode_policy

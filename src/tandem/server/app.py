@@ -156,6 +156,7 @@ def kv_endpoint(client: AsyncEngineClient, settings: ServerSettings) -> dict[str
     endpoint: dict[str, Any] = {"transport": settings.kv_transport, "handoff": True}
     if client.info.kv_port is not None:
         endpoint.update(host=settings.kv_host, port=client.info.kv_port)
+        endpoint["engine_id"] = client.info.kv_engine_id
     return endpoint
 
 

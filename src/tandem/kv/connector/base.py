@@ -108,6 +108,11 @@ class KVConnectorScheduler:
         return None
 
     @property
+    def kv_engine_id(self) -> str | None:
+        """This engine's id, which its KV server answers to (an engine that serves KV)."""
+        return None
+
+    @property
     def kv_layout(self) -> str | None:
         """The KV layout this engine's transfers carry (an engine with KV transfer)."""
         return None

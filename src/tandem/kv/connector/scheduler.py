@@ -189,6 +189,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return self.control.port
 
     @property
+    def kv_engine_id(self) -> str | None:
+        return self.config.engine_id if self.control.server is not None else None
+
+    @property
     def kv_layout(self) -> str | None:
         return self.shape.kv_layout
 

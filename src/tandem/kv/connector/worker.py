@@ -367,7 +367,11 @@ class PDConnectorWorker(KVConnectorWorker):
         client = self.control.client
         address = (remote.remote_host, remote.remote_port, remote.handoff_id)
         cancelled = self.waits.get(spec.request_id)
-        wait = dict(timeout=self.config.handoff_timeout_s, cancelled=cancelled)
+        wait = dict(
+            timeout=self.config.handoff_timeout_s,
+            cancelled=cancelled,
+            engine_id=remote.remote_engine_id,
+        )
         hold = None
         if self.plane.reads_in_place:
             hold_timeout = self.config.transfer_timeout_s

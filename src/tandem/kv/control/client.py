@@ -169,13 +169,16 @@ class KVClient:
         *,
         timeout: float,
         cancelled: threading.Event | None = None,
+        engine_id: str | None = None,
     ) -> dict[str, Any]:
         """Wait until the server's side announces handoff_id and return what it announced.
         Raises KVTransferError: "timeout" when nothing came within `timeout`, "aborted" once
-        `cancelled` is set (checked every AWAIT_POLL_S), and as fetch does otherwise."""
+        `cancelled` is set (checked every AWAIT_POLL_S), "not_found" at once from a server
+        that is not `engine_id`'s (one restarted on its address, after a broken wait: what
+        would have been announced died with the engine), and as fetch does otherwise."""
 
         def exchange(connection: socket.socket, deadline: float) -> dict[str, Any]:
-            message, _ = self._await(connection, deadline, handoff_id, cancelled)
+            message, _ = self._await(connection, deadline, handoff_id, cancelled, engine_id)
             return message
 
         return self._with_connection(host, port, f"wait for {handoff_id!r}", timeout, exchange)
@@ -189,6 +192,7 @@ class KVClient:
         timeout: float,
         hold_timeout: float,
         cancelled: threading.Event | None = None,
+        engine_id: str | None = None,
     ) -> tuple[dict[str, Any], Hold | None]:
         """As await_announcement, asking the server to hold the transfer the announcement names
         for this connection. Returns the announcement and the hold when the server holds it
@@ -197,7 +201,9 @@ class KVClient:
         def exchange(
             connection: socket.socket, deadline: float
         ) -> tuple[dict[str, Any], Hold | None]:
-            message, flags = self._await(connection, deadline, handoff_id, cancelled, hold=True)
+            message, flags = self._await(
+                connection, deadline, handoff_id, cancelled, engine_id, hold=True
+            )
             if not flags & HELD_FLAG:
                 return message, None
             hold_deadline = time.monotonic() + hold_timeout
@@ -221,12 +227,13 @@ class KVClient:
         deadline: float,
         handoff_id: str,
         cancelled: threading.Event | None,
+        engine_id: str | None,
         hold: bool = False,
     ) -> tuple[dict[str, Any], int]:
         """One AWAIT (until the deadline): the announcement, and its flags (HELD_FLAG: its
         transfer is held for this connection)."""
         timeout = max(deadline - time.monotonic(), 0.0)
-        request = encoder.encode(AwaitRequest(handoff_id, timeout, hold))
+        request = encoder.encode(AwaitRequest(handoff_id, timeout, hold, engine_id))
         connection.settimeout(max(deadline - time.monotonic(), 1e-3))
         send_message(connection, AWAIT, request)
         header = bytearray(HEADER.size)

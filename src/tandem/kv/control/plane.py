@@ -69,6 +69,7 @@ class ControlPlane:
                 on_transfer_held=self._on_transfer_held,
                 on_transfer_served=self._on_transfer_served,
                 cluster_token=config.cluster_token,
+                engine_id=config.engine_id,
             )
             logger.info("KV server listening on %s:%d", config.host, self.server.port)
         if config.loads_kv:

@@ -15,6 +15,7 @@ connection's thread, outside the server's lock (so they may call publish/withdra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -94,8 +95,9 @@ class KVServer:
         announcement_ttl: float = 60.0,
         cluster_token: str | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+        engine_id: str | None = None,
     ) -> None:
-        self._key = derive_kv_key(cluster_token)
+        self._key, self._engine_id = derive_kv_key(cluster_token), engine_id
         self._handshake_timeout = handshake_timeout
         self._on_transfer_done = on_transfer_done
         self._on_transfer_held = on_transfer_held
@@ -145,8 +147,7 @@ class KVServer:
         may start at a block of layers [parts, blocks, ...] (the tcp plane's [2, blocks, ...]).
 
         wait_layer(i) blocks until layer i's bytes are valid; layer i is sent only after it
-        returns. The tensors must stay untouched until the transfer is done or withdrawn.
-        """
+        returns. The tensors must stay untouched until the transfer is done or withdrawn."""
         views = [byte_view(layer) for layer in layers]
         transfer = Transfer(views, [block_shape(layer) for layer in layers], wait_layer)
         with self._lock:
@@ -215,16 +216,12 @@ class KVServer:
             connections = dict(self._connections)
         for transfer in transfers:
             transfer.withdrawn.set()
-        try:
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._listener.close()
         for connection in connections:
-            try:
+            with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._accept_thread.join(timeout=5.0)
         for thread in connections.values():
             thread.join(timeout=5.0)
@@ -291,7 +288,10 @@ class KVServer:
     ) -> None:
         """Answer one AWAIT once its handoff is announced, or with a timeout error; an
         announcement that went out with its transfer held then waits for CONFIRM. Raises when
-        the client leaves while waiting (the connection then closes)."""
+        the client leaves while waiting (the connection then closes). A wait for another engine
+        (begun on one gone from this address: a worker restarted) is "not_found" at once."""
+        if request.engine_id not in (None, self._engine_id):
+            return send_error(connection, "not_found", f"engine {request.engine_id} is gone")
         handoff_id = request.handoff_id
         with self._lock:
             handoff = self._handoffs.get(handoff_id)

@@ -56,6 +56,7 @@ class AwaitRequest(msgspec.Struct):
     handoff_id: str
     timeout_s: float
     hold: bool = False  # hold the transfer the announcement names for this connection
+    engine_id: str | None = None  # the prefill engine that announces (None: whichever serves)
 
 
 class ErrorReply(msgspec.Struct):
