@@ -15,12 +15,12 @@ Legs are told apart by `kv_transfer_params` (prefill: `do_remote_decode`, decode
 `do_remote_prefill`, plain: none), and the role is strict so misrouting fails loudly: a prefill
 worker takes prefill legs only, a decode worker decode legs and plain requests, a both worker
 plain requests only, an auto worker all three. A prefill leg must have the protocol's shape
-(stream false, max_tokens 1, no stream_options, n 1; min_tokens at most 1, as vllm-router sends
-it); a decode leg's kv_transfer_params must match its prompt. A decode leg told
-`first_token_sent` streams no text for the first token but what a stop string's hold-back kept
-out of the client's first chunk (tandem.pd.text), as a tandem decode worker does. A model other
-than its own gets a 404; a bad value of another field it reads (max_tokens, n, stream, the
-prompt) a 400, as from a worker.
+(stream false, no stream_options, n 1) and samples one token whatever its max_tokens, as a
+tandem prefill worker does; a decode leg's kv_transfer_params must match its prompt. A decode
+leg told `first_token_sent` streams no text for the first token but what a stop string's
+hold-back kept out of the client's first chunk (tandem.pd.text), as a tandem decode worker does.
+A model other than its own gets a 404; a bad value of another field it reads (max_tokens, n,
+stream, the prompt) a 400, as from a worker.
 
 Test hooks: `GET /fake/stats` (the requests seen, leases released, streams and answers aborted),
 `POST /fake/control` (health status, refusal status, delays, the load report /health carries,
@@ -152,12 +152,10 @@ def create_fake_worker(
         if kind not in allowed[role]:
             return f"a {role} worker got a {kind} request"
         if kind == "prefill":
-            if body.get("stream") is not False or body.get("max_tokens") != 1:
-                return "a prefill leg needs stream=false and max_tokens=1"
-            if body.get("stream_options") or (body.get("min_tokens") or 0) > 1:
-                return "a prefill leg carries no stream_options, and no min_tokens above 1"
-            if body.get("max_completion_tokens") not in (None, 1) or body.get("n") not in (None, 1):
-                return "a prefill leg needs max_completion_tokens=1 and n=1"
+            if body.get("stream") is not False or body.get("stream_options"):
+                return "a prefill leg needs stream=false and no stream_options"
+            if body.get("n") not in (None, 1):
+                return "a prefill leg needs n=1"
         if kind == "decode":
             kv = body["kv_transfer_params"]
             first = token_id(words[0]) if words else None
@@ -310,7 +308,7 @@ def create_fake_worker(
             return JSONResponse(answer)
 
         max_tokens = body.get("max_tokens") or DEFAULT_MAX_TOKENS
-        if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+        if body.get("max_completion_tokens") is not None:
             max_tokens = body["max_completion_tokens"]
         pieces, finish = echo_completion(words, max_tokens)
         if body.get("stream"):

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -278,10 +279,10 @@ def streamed(client: httpx.Client, url: str, body: dict) -> tuple[Completion, li
 def test_a_streamed_request_the_decode_leg_refuses_is_refused_by_the_handoff_router(
     client, trio, routers
 ):
-    """max_tokens past the context with a long prompt: the prefill leg (max_tokens 1) takes it
-    and computes for a while, the decode leg (opened with it by the handoff router) refuses it
-    at once; the client gets that 400, as from `both`, not a stream that ends in an error, and
-    the prefill's lease is released."""
+    """max_tokens past the context with a long prompt: the prefill leg carries the client's
+    max_tokens and its worker refuses it before computing the prompt (the decode leg, opened
+    with it by the handoff router, refuses it too); the client gets that 400, as from `both`,
+    not a stream that ends in an error, and nothing is held."""
     body = {"prompt": list(range(1000, 1500)), "max_tokens": 8000, "stream": True}
     expected = client.post(trio["both"].url + "/v1/completions", json=body, timeout=60)
     assert expected.status_code == 400
@@ -393,4 +394,88 @@ def test_vllm_router_gives_the_both_answers(client, trio, vllm_router, mode: str
         body = dict(body, stream=mode == "streamed")
         routed = run_direct(client, vllm_router, path, body)
         assert routed == run_direct(client, trio["both"].url, path, body), (path, body)
+    assert_nothing_held(trio["prefill"], trio["decode"])
+
+
+HAIKU = [{"role": "user", "content": "Write a haiku about the sea."}]
+ONCE = {"prompt": "Once upon a time", "temperature": 0.0}
+# Bodies whose answers hold more than tokens and text: each token's logprobs and text_offset,
+# the stop that ended the output, an echoed prompt; through the router, every field as `both`.
+FIELD_CASES = {
+    "logprobs": ("/v1/completions", dict(ONCE, max_tokens=6, logprobs=2)),
+    "logprobs, a stop the first token begins": (
+        "/v1/completions",
+        dict(ONCE, max_tokens=3, stop=[", a"], logprobs=1),
+    ),
+    "chat logprobs": (
+        "/v1/chat/completions",
+        {
+            "messages": HAIKU,
+            "max_tokens": 6,
+            "temperature": 0.0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    ),  # fmt: skip
+    "echo": ("/v1/completions", dict(ONCE, max_tokens=3, echo=True)),
+    "stopped on the first token": ("/v1/completions", dict(ONCE, max_tokens=8, stop=[","])),
+    "chat stopped on the first token": (
+        "/v1/chat/completions",
+        {"messages": HAIKU, "max_tokens": 6, "temperature": 0.0, "stop": ["The"]},
+    ),
+    "max_completion_tokens first": (
+        "/v1/completions",
+        dict(ONCE, max_tokens=1, max_completion_tokens=5),
+    ),
+}
+
+
+def answer_fields(response: httpx.Response, stream: bool) -> dict[str, Any]:
+    """What a client reads of one choice, whole or from its chunks in order: text, token ids,
+    finish and stop reason, and per token its logprob entry (chat) or legacy lists."""
+    assert response.status_code == 200, response.read()
+    if stream:
+        choices = [choice for chunk in read_stream(response) for choice in chunk["choices"]]
+    else:
+        choices = json.loads(response.read())["choices"]
+    fields: dict[str, Any] = {"text": "", "token_ids": [], "logprobs": []}
+    for choice in choices:
+        holder = choice.get("delta" if stream else "message") or choice
+        fields["text"] += holder.get("content") or holder.get("text") or ""
+        fields["token_ids"] += choice.get("token_ids") or []
+        logprobs = choice.get("logprobs") or {}
+        if "content" in logprobs:
+            fields["logprobs"] += [
+                (e["token"], round(e["logprob"], 3), [t["token"] for t in e["top_logprobs"]])
+                for e in logprobs["content"] or []
+            ]
+        else:
+            tokens, offsets = logprobs.get("tokens", []), logprobs.get("text_offset", [])
+            values = [round(value, 3) for value in logprobs.get("token_logprobs", [])]
+            fields["logprobs"] += list(zip(tokens, values, offsets, strict=True))
+        if choice.get("finish_reason") is not None:
+            fields["finish"] = (choice["finish_reason"], choice.get("stop_reason"))
+    return fields
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("case", FIELD_CASES)
+def test_every_field_of_an_answer_through_the_router(client, trio, routers, case, stream):
+    path, body = FIELD_CASES[case]
+    body = dict(body, stream=stream, return_token_ids=True)
+
+    def fields(url: str) -> dict[str, Any]:
+        with client.stream("POST", url + path, json=body, timeout=120) as response:
+            return answer_fields(response, stream)
+
+    expected = fields(trio["both"].url)
+    assert expected["token_ids"] and expected["finish"][0]
+    if body.get("logprobs"):
+        assert len(expected["logprobs"]) == len(expected["token_ids"])
+    if stream and path == "/v1/completions":  # streamed text_offsets are the whole answer's
+        whole = client.post(trio["both"].url + path, json=dict(body, stream=False)).json()
+        assert [e[2] for e in expected["logprobs"]] == (
+            (whole["choices"][0]["logprobs"] or {}).get("text_offset", []))  # fmt: skip
+    for name, router in routers.items():
+        assert fields(router.url) == expected, name
     assert_nothing_held(trio["prefill"], trio["decode"])

@@ -193,9 +193,9 @@ def test_streamed_completion_runs_both_legs_and_keeps_openai_shapes(make_cluster
     (prefill_request,) = cluster.prefill[0].stats.requests
     assert prefill_request["kind"] == "prefill"
     leg = prefill_request["body"]
-    assert leg["stream"] is False and leg["max_tokens"] == 1
-    assert "stream_options" not in leg
-    assert leg["min_tokens"] == 1  # min_tokens 2: the first token may not be EOS either
+    assert leg["stream"] is False and "stream_options" not in leg
+    # the client's limits, which the prefill worker checks before it samples its one token
+    assert leg["max_tokens"] == 5 and leg["min_tokens"] == 2
     assert leg["kv_transfer_params"]["do_remote_decode"] is True
     (decode_request,) = cluster.decode[0].stats.requests
     assert decode_request["kind"] == "decode"
@@ -240,7 +240,7 @@ def test_chat_through_the_openai_client(make_cluster):
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
     assert chunks[-1].usage.completion_tokens == 4
     prefill_leg = cluster.prefill[0].stats.requests[-1]["body"]
-    assert prefill_leg["max_tokens"] == 1 and prefill_leg["max_completion_tokens"] == 1
+    assert "max_tokens" not in prefill_leg and prefill_leg["max_completion_tokens"] == 4
 
 
 def test_eos_on_the_first_token_never_reaches_decode(make_cluster):

@@ -91,9 +91,10 @@ def test_the_prefill_leg_follows_the_protocol():
     assert leg == {
         "prompt": "p",
         "stream": False,
-        "max_tokens": 1,
-        "max_completion_tokens": 1,
-        "min_tokens": 1,  # the client asked for 5: the first token may not end the request
+        # the client's limits: the prefill worker checks them, then samples one token
+        "max_tokens": 50,
+        "max_completion_tokens": 50,
+        "min_tokens": 5,
         "temperature": 0.5,
         "kv_transfer_params": {
             "do_remote_decode": True,
@@ -104,7 +105,7 @@ def test_the_prefill_leg_follows_the_protocol():
             "remote_port": None,
         },
     }
-    assert body["max_tokens"] == 50 and body["stream"] is True  # the client's body is untouched
+    assert body["stream"] is True  # the client's body is untouched
     assert "max_completion_tokens" not in prefill_leg_body({"prompt": "p"})
 
 
@@ -112,6 +113,8 @@ def test_which_requests_take_which_path():
     assert wants_one_token("completions", {"max_tokens": 1})
     assert wants_one_token("chat", {"max_tokens": 9, "max_completion_tokens": 1})
     assert not wants_one_token("chat", {"max_tokens": 1, "max_completion_tokens": 9})
+    # the workers read max_completion_tokens first on completions too
+    assert not wants_one_token("completions", {"max_tokens": 1, "max_completion_tokens": 5})
     assert not wants_one_token("completions", {})
     assert is_single_prompt("completions", {"prompt": "x"})
     assert is_single_prompt("completions", {"prompt": [1, 2]})

@@ -20,11 +20,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from tandem.engine.detokenizer import TextState
 from tandem.engine.outputs import EngineCoreOutput, TokenLogprobs
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv.connector.base import KVTransferParams
+from tandem.kv.params import FirstTokenLogprobs
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -234,6 +237,8 @@ class InputProcessor:
             raise ValueError(
                 "structured outputs need the model's tokenizer (a fast one); this model has none"
             )
+        if kv_transfer_params is not None and kv_transfer_params.do_remote_decode:
+            params = params.first_token_only()  # checked above with the client's max_tokens
         requests = []
         for index in range(params.n):
             child_params = params
@@ -328,6 +333,11 @@ class OutputProcessor:
                     stopped.append(output.request_id)
                     break
             finished = finish_reason is not None
+            if kv_transfer_params is not None and state.wants_logprobs and output.new_logprobs:
+                # a prefill leg's lease: the decode leg answers the first token's logprobs too
+                kv_transfer_params = with_first_token_logprobs(
+                    kv_transfer_params, output.new_logprobs[0]
+                )
             deltas.append(
                 SequenceDelta(
                     state.request_id,
@@ -347,3 +357,8 @@ class OutputProcessor:
             if finished:
                 self.states.pop(output.request_id, None)
         return deltas, stopped
+
+
+def with_first_token_logprobs(params: KVTransferParams, first: TokenLogprobs) -> KVTransferParams:
+    logprobs = FirstTokenLogprobs(first.logprob, [tuple(t) for t in first.top], first.rank)
+    return msgspec.structs.replace(params, first_token_logprobs=logprobs)

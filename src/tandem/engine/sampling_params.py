@@ -6,6 +6,7 @@ server turns those into 400 errors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from tandem.engine.structured_output import StructuredOutput
@@ -71,7 +72,10 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             (self.n >= 1, "n must be at least 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                "temperature must be a finite number >= 0",
+            ),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be -1 (no limit), 0 (no limit) or a positive count"),
             (self.top_k in INT64, "top_k must be below 2**63 (0 for no limit)"),
@@ -92,7 +96,10 @@ class SamplingParams:
             (all(s for s in self.stop), "stop strings must not be empty"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 means none)"),
+            (
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "repetition_penalty must be a finite number > 0 (1 means none)",
+            ),
             (
                 all(-100 <= bias <= 100 for bias in self.logit_bias.values()),
                 "logit_bias values must be in [-100, 100]",
@@ -109,3 +116,9 @@ class SamplingParams:
 
     def with_updates(self, **changes) -> SamplingParams:
         return replace(self, **changes)
+
+    def first_token_only(self) -> SamplingParams:
+        """These settings for a PD prefill leg, which samples the first token only: checked
+        with the client's limits first, so a leg the decode would refuse is refused here. A
+        minimum keeps the first token from ending the request."""
+        return replace(self, max_tokens=1, min_tokens=min(self.min_tokens, 1))

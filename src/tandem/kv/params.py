@@ -88,6 +88,7 @@ class KVTransferParams(msgspec.Struct, frozen=True):
     # tandem's own (no vLLM name): the client has the first token already, from the prefill's
     # answer, so the decode leg's stream starts after it (docs/protocol.md, "The first token")
     first_token_sent: bool | None = None
+    first_token_logprobs: FirstTokenLogprobs | None = None  # tandem's own, see its struct
 
     @property
     def is_handoff(self) -> bool:
@@ -107,6 +108,16 @@ DECODE_FIELDS = (
     "block_size",
 )
 HANDOFF_FIELDS = ("remote_host", "remote_port", "kv_transport")
+
+
+class FirstTokenLogprobs(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The prefill's first token's logprob, its rank and the top alternatives (token id,
+    logprob; best first), in a lease when the request asked for logprobs: tandem's own, so that
+    a decode leg's answer holds every token's (docs/protocol.md, "The first token")."""
+
+    logprob: float
+    top: list[tuple[NonNegative, float]] = msgspec.field(default_factory=list)
+    rank: Positive | None = None
 
 
 class KVParamsError(ValueError):
@@ -200,6 +211,10 @@ def check_against(params: KVTransferParams, worker: WorkerKV, num_prompt_tokens:
     if params.first_token_id is not None and params.first_token_id >= worker.vocab_size:
         message = f"{params.first_token_id} is outside the vocabulary [0, {worker.vocab_size})"
         raise KVParamsError("first_token_id", message)
+    logprobs = params.first_token_logprobs
+    if logprobs is not None and any(token_id >= worker.vocab_size for token_id, _ in logprobs.top):
+        message = f"a top token id is outside the vocabulary [0, {worker.vocab_size})"
+        raise KVParamsError("first_token_logprobs.top", message)
     if params.num_prompt_tokens is not None and params.num_prompt_tokens != num_prompt_tokens:
         message = (
             f"{params.num_prompt_tokens}, but the prompt has {num_prompt_tokens} tokens here (do "

@@ -3,10 +3,9 @@
 In a PD flow the client's stream is made of two workers' answers: its first chunk is built from
 the prefill leg's answer (`first_chunk`, or the whole stream with `prefill_only_chunks` when the
 prefill answers the request alone), the rest is the decode leg's stream rewritten by
-`DecodeChunks`: the router's request id, no second `role`, and the first token's entries (its
-id with return_token_ids, its logprob) cut by position, as the client has them already. The
-decode worker sends no text for the first token (it was told `first_token_sent`), so no text is
-ever cut here.
+`DecodeChunks`: the router's request id, and no second `role`. The decode worker sends nothing
+of the first token (it was told `first_token_sent`): not its id, its logprobs, nor the text the
+first chunk holds, so nothing is ever cut here.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ def chunk(
     finish_reason: str | None,
     *,
     delta: dict[str, Any],
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     """A stream chunk of one choice for a request whose prefill leg answered `answer`."""
     if endpoint == "chat":
@@ -36,6 +36,7 @@ def chunk(
         choice = {"index": 0, "text": text, "logprobs": None}
         object_name = "text_completion"
     choice["finish_reason"] = finish_reason
+    choice["stop_reason"] = stop_reason
     return {
         "id": request_id,
         "object": object_name,
@@ -65,11 +66,12 @@ def prefill_only_chunks(
     endpoint: str, request_id: str, answer: dict[str, Any], text: str, include_usage: bool
 ) -> list[bytes]:
     """A whole streamed answer made from the prefill leg's answer alone."""
-    finish_reason = answer["choices"][0].get("finish_reason")
-    events = [
-        first_chunk(endpoint, request_id, answer, text),
-        sse_event(chunk(endpoint, request_id, answer, "", finish_reason, delta={})),
-    ]
+    prefill_choice = answer["choices"][0]
+    last = chunk(
+        endpoint, request_id, answer, "", prefill_choice.get("finish_reason"), delta={},
+        stop_reason=prefill_choice.get("stop_reason"),
+    )  # fmt: skip
+    events = [first_chunk(endpoint, request_id, answer, text), sse_event(last)]
     if include_usage:
         usage_chunk = chunk(endpoint, request_id, answer, "", None, delta={})
         usage_chunk["choices"] = []
@@ -85,22 +87,14 @@ class DecodeChunks:
     def __init__(self, endpoint: str, request_id: str) -> None:
         self.endpoint = endpoint
         self.request_id = request_id
-        self.first_id_left = True
-        self.first_logprob_left = True
 
     def rewrite(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """The chunk for the client, or None when nothing is left of it."""
         event["id"] = self.request_id
         choices = event.get("choices") or []
         for choice in choices:
-            holder = choice if self.endpoint == "completions" else (choice.get("delta") or {})
-            holder.pop("role", None)
-            if self.first_id_left and choice.get("token_ids"):
-                choice["token_ids"] = choice["token_ids"][1:]
-                self.first_id_left = False
-            if self.first_logprob_left and choice.get("logprobs"):
-                choice["logprobs"] = without_first_logprob(choice["logprobs"])
-                self.first_logprob_left = False
+            if self.endpoint == "chat":
+                (choice.get("delta") or {}).pop("role", None)
         if choices and not event.get("usage") and all(map(self._is_empty, choices)):
             return None
         return event
@@ -116,12 +110,3 @@ class DecodeChunks:
         if self.endpoint == "completions":
             return not choice.get("text")
         return not any((choice.get("delta") or {}).values())
-
-
-def without_first_logprob(logprobs: dict[str, Any]) -> dict[str, Any] | None:
-    """A chunk's logprobs less the first token's entry (chat: `content`; completions: the
-    parallel lists); None once none is left."""
-    lists = {key: value[1:] for key, value in logprobs.items() if isinstance(value, list)}
-    if not any(lists.values()):
-        return None
-    return dict(logprobs, **lists)

@@ -16,23 +16,22 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def prefill_leg_body(body: dict[str, Any], handoff_id: str | None = None) -> dict[str, Any]:
-    """The client body as a prefill leg: not streamed, one token, the PD request fields."""
-    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
-    if body.get("min_tokens"):  # the first token may not end the request either
-        leg["min_tokens"] = 1
+    """The client body as a prefill leg: not streamed, the PD request fields. Its limits stay
+    the client's: the prefill worker checks them as the decode would (a prompt that leaves no
+    room for max_tokens is refused before it is computed), then samples one token."""
+    # a whole answer's stream_options stay, for the prefill worker to refuse as the decode would
+    dropped = ("stream", "stream_options") if body.get("stream") else ("stream",)
+    leg = {k: v for k, v in body.items() if k not in dropped}
     leg["stream"] = False
-    leg["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        leg["max_completion_tokens"] = 1
     leg["kv_transfer_params"] = prefill_kv_params(handoff_id)
     return leg
 
 
 def wants_one_token(endpoint: str, body: dict[str, Any]) -> bool:
-    limit = body.get("max_tokens")
-    if endpoint == "chat" and body.get("max_completion_tokens") is not None:
-        limit = body["max_completion_tokens"]
-    return limit == 1
+    """Whether the request's output is one token (max_completion_tokens before max_tokens, on
+    both endpoints, as the workers read them)."""
+    limit = body.get("max_completion_tokens")
+    return (body.get("max_tokens") if limit is None else limit) == 1
 
 
 def is_single_prompt(endpoint: str, body: dict[str, Any]) -> bool:
@@ -50,13 +49,14 @@ def is_single_prompt(endpoint: str, body: dict[str, Any]) -> bool:
 def needs_one_worker(endpoint: str, body: dict[str, Any]) -> bool:
     """Whether one worker must answer the request whole: it wants its prompt's logprobs
     (vLLM's prompt_logprobs, or echo with logprobs; only the worker that computes the prompt
-    has them), no token at all (max_tokens 0: echo scores the prompt only), or tool calls
-    (made of the whole output, where the PD flow streams the first token's text)."""
+    has them), no token at all (max_tokens 0: echo scores the prompt only), its prompt echoed
+    (the answer's text and stream start with it), or tool calls (made of the whole output,
+    where the PD flow streams the first token's text)."""
     if body.get("prompt_logprobs") is not None or body.get("max_tokens") == 0:
         return True
     if endpoint == "chat":
         return bool(body.get("tools")) and body.get("tool_choice") != "none"
-    return bool(body.get("echo")) and body.get("logprobs") is not None
+    return bool(body.get("echo"))
 
 
 def can_disaggregate(endpoint: str, body: dict[str, Any]) -> bool:

@@ -47,7 +47,7 @@ from tandem.engine.messages import (
     StartFailed,
     encode,
 )
-from tandem.engine.outputs import EngineCoreOutput
+from tandem.engine.outputs import EngineCoreOutput, TokenLogprobs
 from tandem.engine.processor import (
     InputProcessor,
     OutputProcessor,
@@ -336,6 +336,7 @@ class AsyncEngineClient:
         first = EngineCoreOutput(
             request.request_id,
             [first_token_id],
+            handed_over_logprobs(request, first_token_id),
             num_prompt_tokens=request.num_prompt_tokens,
         )
         status = request.check_stop()
@@ -462,3 +463,14 @@ class AsyncEngineClient:
                 request_id, int(index), "", [], None, "error", error=message, error_status=status
             )
         )
+
+
+def handed_over_logprobs(request: Request, first_token_id: int) -> list[TokenLogprobs] | None:
+    """The first token's logprobs from the prefill's lease, as many top ones as the request
+    asks for (None: not asked for, or the lease has none)."""
+    wanted = request.sampling_params.logprobs
+    given = request.kv_transfer_params and request.kv_transfer_params.first_token_logprobs
+    if wanted is None or not given:
+        return None
+    top = [(token_id, logprob) for token_id, logprob in given.top[:wanted]]
+    return [TokenLogprobs(first_token_id, given.logprob, top, given.rank)]

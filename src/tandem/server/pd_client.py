@@ -63,11 +63,6 @@ def place_engines(config: EngineConfig, decode_device: str) -> tuple[EngineConfi
     )
 
 
-def prefill_leg_params(params: SamplingParams) -> SamplingParams:
-    """The prefill leg samples the first token only; a minimum keeps it from ending there."""
-    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-
-
 class DisaggregatedClient:
     """The prefill engine's and the decode engine's clients, as one engine client."""
 
@@ -211,7 +206,7 @@ class EngineLegs:
         self.prefill_stream = await self.client.prefill.submit(
             self.request_id,
             self.prompt_token_ids,
-            prefill_leg_params(self.params),
+            self.params,  # the prefill engine samples the first token only (do_remote_decode)
             prefill_params(self.handoff_id),
         )
 

@@ -117,6 +117,12 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     function_call: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true (as OpenAI and vLLM)")
+        return self
+
+    @model_validator(mode="after")
     def _tool_choice_fits_tools(self) -> ChatCompletionRequest:
         """tool_choice "required" or a named function holds the output to the tools' JSON;
         "auto" (the default with tools) lets the model write calls in its own format, which

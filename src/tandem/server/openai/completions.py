@@ -49,10 +49,10 @@ class CompletionWriter(ResponseWriter):
         return super().with_token_ids(choice, [] if self.prompt_only else token_ids)
 
     def logprobs_object(
-        self, logprobs: list, index: int, prompt_logprobs: list | None = None
+        self, logprobs: list, index: int, prompt_logprobs: list | None = None, start: int = 0
     ) -> dict[str, Any] | None:
         """OpenAI's legacy logprobs; with echo, the prompt's tokens come first (the first one
-        without a logprob, as nothing predicts it)."""
+        without a logprob, as nothing predicts it). `start`: the first token's text_offset."""
         if self.body.logprobs is None:
             return None
         rows = [] if self.prompt_only else [(i.token_id, i.logprob, i.top) for i in logprobs]
@@ -62,7 +62,7 @@ class CompletionWriter(ResponseWriter):
                 (item.token_id, item.logprob, item.top) for item in prompt_logprobs[1:]
             ]
         tokens, values, tops, offsets = [], [], [], []
-        offset = 0
+        offset = start
         for token_id, logprob, top in rows:
             text = self.token_text(token_id)
             tokens.append(text)
@@ -91,6 +91,11 @@ class CompletionWriter(ResponseWriter):
             choice.prompt_logprobs,
         )
 
+    def left_unsent(self, choice: Choice, delta: SequenceDelta) -> SequenceDelta:
+        # the client's first chunk holds the first token's logprobs (a PD decode leg)
+        choice.text_offset += len(self.token_text(delta.token_ids[0]))
+        return super().left_unsent(choice, delta)
+
     async def opening_chunks(self) -> AsyncIterator[dict[str, Any]]:
         if self.body.echo:
             for prompt_index, text in enumerate(self.prompt_texts):
@@ -101,14 +106,18 @@ class CompletionWriter(ResponseWriter):
                     )
 
     def delta_choice(self, index: int, delta: SequenceDelta, choice: Choice) -> dict[str, Any]:
-        """A chunk; the first one after an echoed prompt carries the prompt's logprobs."""
+        """A chunk; the first one after an echoed prompt carries the prompt's logprobs. Its
+        text_offsets go on from the chunks before, so they are the whole answer's."""
+        logprobs = self.logprobs_object(
+            delta.logprobs or [], index, delta.prompt_logprobs, choice.text_offset
+        )
+        if logprobs is not None:
+            choice.text_offset += sum(map(len, logprobs["tokens"]))
         return self.with_prompt_logprobs(
             {
                 "index": index,
                 "text": "" if self.prompt_only else delta.text,
-                "logprobs": self.logprobs_object(
-                    delta.logprobs or [], index, delta.prompt_logprobs
-                ),
+                "logprobs": logprobs,
                 "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason,
             },

@@ -121,6 +121,15 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError(
+                "stream_options apply to streamed answers only: set stream to true, or send "
+                "no stream_options"
+            )
+        return self
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _no_truncation(cls, count: int | None) -> int | None:

@@ -49,6 +49,8 @@ class Choice:
     # (the text after the reasoning, if any) and of the reasoning sent
     content_sent: int = 0
     reasoning_sent: int = 0
+    # streamed completion with logprobs: the next token's text_offset (its tokens' texts so far)
+    text_offset: int = 0
     arguments_sent: list[int] = field(default_factory=list)  # per tool call begun (streamed)
 
     def take(self, delta: SequenceDelta) -> None:
@@ -219,13 +221,14 @@ class ResponseWriter:
         yield
 
     def left_unsent(self, choice: Choice, delta: SequenceDelta) -> SequenceDelta:
-        """The first token's delta less the text the client's first chunk holds: the token's
-        whole text less the stop-string hold-back (`pd.text`; all of the delta's text unless the
-        delta also ends the output)."""
+        """The first token's delta less what the client's first chunk holds: its id and
+        logprobs, and its whole text less the stop-string hold-back (`pd.text`; all of the
+        delta's text unless the delta also ends the output)."""
         first_text = self.first_token_text(delta.token_ids[0])
         self.count_first_chunk(choice, first_text)
+        shown = shown_first_text(first_text, self.hold_back)
         return dataclasses.replace(
-            delta, text=delta.text[len(shown_first_text(first_text, self.hold_back)) :]
+            delta, text=delta.text[len(shown) :], token_ids=[], logprobs=None
         )
 
     def first_token_text(self, token_id: int) -> str:
@@ -236,8 +239,7 @@ class ResponseWriter:
         return detokenizer.add(token_id)
 
     def count_first_chunk(self, choice: Choice, first_text: str) -> None:
-        """Count as sent what the client's first chunk holds, when the choice's fields are
-        parsed from its text (chat)."""
+        """Count as sent what the client's first chunk holds of the first token's text."""
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
         chunk = {
