@@ -297,9 +297,10 @@ def test_without_a_cluster_token_one_is_made_and_shared(launch):
 
 # argv: port, a file each start appends its pid to, one behaviour per start (the last repeats),
 # the /health body. fail: exit 2 at once; hang: never listen; crash: answer /health once, then
-# exit 3; serve: answer /health.
+# exit 3; serve: answer /health; linger: serve, and exit 0.5 s after SIGTERM. Every child writes
+# the time a SIGTERM reached it to its starts file + ".terms".
 FAKE_CHILD = """
-import http.server, os, sys, threading, time
+import http.server, os, signal, sys, threading, time
 port, starts_file, behaviours, body = sys.argv[1:]
 with open(starts_file, "a+") as starts:
     starts.seek(0)
@@ -308,6 +309,12 @@ with open(starts_file, "a+") as starts:
 behaviour = behaviours.split(",")[min(start, behaviours.count(","))]
 if behaviour == "fail":
     sys.exit(2)
+def on_term(*_):
+    with open(starts_file + ".terms", "a") as terms:
+        terms.write(f"{time.time()}\\n")
+    time.sleep(0.5 if behaviour == "linger" else 0)
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
 if behaviour == "hang":
     time.sleep(60)
 class Health(http.server.BaseHTTPRequestHandler):
@@ -328,10 +335,17 @@ class FakeCluster:
     """A Supervisor over fake children, supervising in a thread; `starts[name]` lists the
     pids of a child's starts."""
 
-    def __init__(self, tmp_path: Path, children: dict[str, str], router_body: str, **options):
+    def __init__(
+        self,
+        tmp_path: Path,
+        children: dict[str, str],
+        router_body: str,
+        router: str = "serve",
+        **options,
+    ):
         plans = []
         self.starts_files = {}
-        for name, behaviours in {**children, "router": "serve"}.items():
+        for name, behaviours in {**children, "router": router}.items():
             port = free_port_block(1)
             self.starts_files[name] = tmp_path / f"{name}.starts"
             body = router_body if name == "router" else "{}"
@@ -472,3 +486,18 @@ def test_readiness_wants_at_least_the_workers_started(fake_cluster, router_body,
     time.sleep(1.0)  # several rounds of the readiness check
     assert any("ready at" in line for line in cluster.lines()) == ready
     assert cluster.finish() == 0
+
+
+def test_the_router_stops_first_and_the_workers_once_it_exited(fake_cluster):
+    """What the router still streams finishes on workers that still serve: SIGTERM reaches the
+    workers only once the router (which takes 0.5 s to stop here) has exited."""
+    cluster = fake_cluster({"both-0": "serve"}, ONE_BOTH, router="linger")
+    cluster.wait_for_line("ready at")
+    assert cluster.finish() == 0
+
+    def terms(name: str) -> list[float]:
+        return [float(t) for t in Path(f"{cluster.starts_files[name]}.terms").read_text().split()]
+
+    (router_term,) = terms("router")
+    (worker_term,) = terms("both-0")
+    assert worker_term >= router_term + 0.5

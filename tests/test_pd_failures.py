@@ -41,6 +41,7 @@ from pd_fixtures import (
     run_direct,
     run_pd,
     running_processes,
+    running_workers,
     start_faulty_worker,
     token_prompt,
     wait_for_value,
@@ -55,6 +56,7 @@ TRANSFER_TIMEOUT_S = 0.5
 COMPLETIONS = "/v1/completions"
 PREFILL_DROP_BLOCKS = 40
 HOLD_TIMEOUT_S = LEASE_S + 5  # a lease must be gone by then, even on a loaded machine
+DRAINED_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +303,38 @@ def test_killed_decode_leaves_the_prefill_healthy_and_empty(client, workers):
     wait_until(lambda: failures(prefill, "send") > send_failures, 5, "no send failure counted")
     after = run_direct(client, prefill.url, COMPLETIONS, body)
     assert after == reference(client, workers, body)
+
+
+def test_a_draining_prefill_worker_serves_its_leases_first(client, tiny_checkpoints, tmp_path):
+    """SIGTERM to a prefill worker that leased a prompt's KV: its HTTP server closes at once,
+    but its KV port stays open until the decode collected the lease, and then it exits 0. The
+    decode worker fails rather than recompute a load it could not make, and answers as the
+    request served whole."""
+    specs = {
+        "prefill": ("--role", "prefill", "--num-kv-blocks", "64"),
+        "decode": ("--role", "decode", "--kv-load-failure-policy", "fail", "--num-kv-blocks", "64"),
+    }
+    model = str(tiny_checkpoints[CHECKPOINT])
+    with running_workers(tmp_path, specs, model) as started:
+        prefill, decode = started["prefill"], started["decode"]
+        body = request_body(21)
+        params = prefill_leg(client, prefill.url, COMPLETIONS, body)["kv_transfer_params"]
+        os.killpg(prefill.process.pid, signal.SIGTERM)
+        wait_until(lambda: not http_answers(client, prefill.url), 10, "its HTTP server is open")
+        time.sleep(DRAINED_S)  # a worker with nothing leased has exited by now
+        assert prefill.process.poll() is None, "the lease was not waited for"
+        answer = decode_leg(client, decode, body, params)
+        assert answer.status_code == 200, answer.text
+        assert Completion.from_response(answer.json()) == run_direct(
+            client, decode.url, COMPLETIONS, dict(body, stream=False)
+        )
+        assert prefill.process.wait(timeout=15) == 0, prefill.log_tail()
+        assert_nothing_held(decode)
+
+
+def http_answers(client: httpx.Client, url: str) -> bool:
+    try:
+        client.get(url + "/health", timeout=2)
+    except httpx.HTTPError:
+        return False
+    return True

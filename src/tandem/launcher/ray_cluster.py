@@ -14,11 +14,11 @@ time), whatever the workers' tensor-parallel sizes.
 Supervision (`ray_processes.RaySupervisor`) as on one host: `ready at URL/v1` once every process
 is healthy and the router's pool holds the workers; a process that exits, or whose actor dies
 (Ray restarts the actor in its bundle), is started again after a backoff; `max_start_failures`
-failed starts in a row stop everything (exit 1). Ctrl-C or SIGTERM stops the processes (SIGTERM,
-then SIGKILL after `stop_timeout_s`), kills the actors, removes the placement group and ends the
-connection to Ray, which shuts down a Ray it started; a second Ctrl-C skips the wait. The
-secrets reach each process in its environment through `launch`'s arguments, never on a command
-line. Ray is imported only when asked for.
+failed starts in a row stop everything (exit 1). Ctrl-C or SIGTERM stops the processes, the
+router first (SIGTERM, then SIGKILL after `stop_timeout_s`), kills the actors, removes the
+placement group and ends the connection to Ray, which shuts down a Ray it started; a second
+Ctrl-C skips the wait. The secrets reach each process in its environment through `launch`'s
+arguments, never on a command line. Ray is imported only when asked for.
 """
 
 from __future__ import annotations
@@ -226,8 +226,8 @@ class RayCluster:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        try:  # the workers first, which deregister from the router
-            for group in (self.actors[:-1], self.actors[-1:]):
+        try:  # the router first: what it streams finishes on workers that still serve
+            for group in (self.actors[-1:], self.actors[:-1]):
                 stops = [actor.stop.remote(stop_timeout_s) for actor in group]
                 if stops:
                     ray.wait(stops, num_returns=len(stops), timeout=stop_timeout_s + 5)

@@ -2,9 +2,10 @@
 
 Each child (`python -m tandem.cli worker|router ...`, planned by `tandem.launcher.plan`) runs in
 its own process group, so a terminal's Ctrl-C reaches only the launcher, which then stops the
-groups: SIGTERM to all, SIGKILL to whatever is left after `stop_timeout_s` (a second Ctrl-C kills
-at once). On Linux each child also gets PR_SET_PDEATHSIG=SIGKILL, so it dies with the launcher
-even when the launcher is SIGKILLed.
+groups: SIGTERM to the router, then (once it exited, or after `stop_timeout_s`) to the workers,
+SIGKILL to whatever is left after their `stop_timeout_s` (a second Ctrl-C kills at once). On
+Linux each child also gets PR_SET_PDEATHSIG=SIGKILL, so it dies with the launcher even when the
+launcher is SIGKILLed.
 
 Supervision. A child is *healthy* once its `GET /health` answers (a worker 200; the router 200
 or 503, which it answers while no decode worker is in its pool). A child that exits is restarted
@@ -259,13 +260,19 @@ class Supervisor:
             _kill_group(process, signum)
 
     def _stop_all(self) -> None:
-        self._kill_all(signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout_s
-        for process in self._processes():
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        """The router first, so that what it streams can finish on workers still serving (and
+        their KV leases be collected), then the workers; each given stop_timeout_s."""
+        workers = [child for child in self.children if child is not self.router]
+        for group in ([self.router], workers):
+            processes = [child.process for child in group if child.process is not None]
+            for process in processes:
+                _kill_group(process, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout_s
+            for process in processes:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
         self._kill_all(signal.SIGKILL)  # stragglers, and grandchildren of exited children
         for process in self._processes():
             process.wait()

@@ -24,6 +24,8 @@ from tandem.router.config import (
 )
 
 DEFAULTS = RouterConfig()
+# what the router's responses get to finish once it is told to stop: a worker's grace
+GRACEFUL_SHUTDOWN_S = 10
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -293,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         host=config.host,
         port=config.port,
         log_level=config.log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         **uvicorn_options(args),
     )
     return 0

@@ -234,6 +234,15 @@ class AsyncEngineClient:
             if asyncio.get_running_loop().time() > deadline:
                 raise EngineStartError(f"the engine did not start within {self.start_timeout} s")
 
+    async def settle_leases(self, timeout_s: float) -> None:
+        """Wait, at most timeout_s, until no block of this engine is leased to a decode worker
+        (collected, released or expired), from the engine's stats (sent at least every
+        STATS_INTERVAL_S)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.stats.get("kv_blocks_leased") and not self.dead and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+
     async def shutdown(self) -> None:
         self.healthy = False
         self._stopping = True

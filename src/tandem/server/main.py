@@ -2,9 +2,10 @@
 server, and (with --router) heartbeats.
 
 SIGTERM or SIGINT stop accepting connections, let in-flight responses finish for a short grace
-period, abort what is left, stop the engine process and exit 0. An engine process that dies
-makes the worker unhealthy at once (503s, in-flight requests included), and the worker exits
-with ENGINE_DIED_EXIT_CODE a moment later, for its supervisor to restart it.
+period, abort what is left, wait until the KV its prefills leased is collected (at most the
+lease timeout: the KV port stays open), stop the engine process and exit 0. An engine process
+that dies makes the worker unhealthy at once (503s, in-flight requests included), and the worker
+exits with ENGINE_DIED_EXIT_CODE a moment later, for its supervisor to restart it.
 
 The HTTP server takes vLLM's server flags (`tandem.http_options`): a root path, TLS, one access
 line per request unless disabled, and uvicorn's log level.
@@ -211,6 +212,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         finally:
             if heartbeat is not None:
                 heartbeat.stop()
+            if settings.kv_transport is not None and args.role != "pd":
+                # what it leased goes to its decode workers (over the KV port) before it stops
+                await client.settle_leases(args.kv_lease_timeout)
             await client.shutdown()
 
     app = build_app(client, settings)
