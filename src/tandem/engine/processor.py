@@ -26,8 +26,7 @@ from tandem.engine.detokenizer import TextState
 from tandem.engine.outputs import EngineCoreOutput, TokenLogprobs
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.kv.connector.base import KVTransferParams
-from tandem.kv.params import FirstTokenLogprobs
+from tandem.kv.connector.base import FirstTokenLogprobs, KVTransferParams
 
 
 def child_request_id(request_id: str, index: int) -> str:

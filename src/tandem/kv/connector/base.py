@@ -28,7 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tandem.kv.params import KVTransferParams  # the engine's form of kv_transfer_params
+from tandem.kv.params import (  # the engine's form of kv_transfer_params
+    FirstTokenLogprobs,
+    KVTransferParams,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConnectorFactory",
+    "FirstTokenLogprobs",
     "KVConnectorScheduler",
     "KVConnectorWorker",
     "KVTransferParams",
