@@ -1199,6 +1199,13 @@ BAD_REQUESTS = [
     ),
     ("top-logprobs-without-logprobs", CHAT, {"messages": HI, "top_logprobs": 2}, 400, None),
     (
+        "template-messages",
+        CHAT,
+        {"messages": HI, "chat_template_kwargs": {"messages": 1}},
+        400,
+        None,
+    ),
+    (
         "stream-options-unstreamed",
         COMPLETIONS,
         {"prompt": "hi", "stream_options": {"include_usage": True}},

@@ -63,6 +63,12 @@ class ChatTemplateFields(BaseModel):
 
     @model_validator(mode="after")
     def _one_way_to_end(self):
+        for field in ("messages", "tools"):
+            if field in (self.chat_template_kwargs or {}):
+                raise ValueError(
+                    f"the template's {field} come from the request's {field} field: send them "
+                    "there, not in chat_template_kwargs"
+                )
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError(
                 "continue_final_message needs add_generation_prompt=false (the assistant's last "
