@@ -244,7 +244,7 @@ def test_a_killed_prefill_is_recomputed_and_nothing_is_held(cluster, client):
         {"prompt": token_prompt(902, 120, 1, 512), "max_tokens": 8, "temperature": 0.0}
     )
     params = prefill_leg(client, prefill.url, "/v1/completions", body)["kv_transfer_params"]
-    prefill.stop()
+    prefill.kill()
     answer = post(client, decode.url + "/v1/completions", dict(body, kv_transfer_params=params))
     assert answer == run_direct(client, cluster["both"].url, "/v1/completions", body)
     assert metric(decode, "tandem_kv_transfer_failures_total") >= 1

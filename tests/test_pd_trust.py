@@ -229,6 +229,12 @@ def test_bad_field_values_from_the_cluster_are_400s_before_the_engine(client, me
             error = answer.json()["error"]
             assert error["param"] == f"kv_transfer_params.{field}", (field, value, error)
             assert error["message"].startswith(f"kv_transfer_params.{field}"), error
+    top_outside = {"logprob": -0.1, "top": [[VOCAB_SIZE, -0.1]]}
+    for value in (top_outside, {"logprob": "a"}, {"top": []}, 5):
+        tampered = dict(body, kv_transfer_params=dict(params, first_token_logprobs=value))
+        answer = member.post(decode.url + COMPLETIONS, json=tampered)
+        assert answer.status_code == 400, (value, answer.text)
+        assert answer.json()["error"]["param"].startswith("kv_transfer_params.first_token_logprobs")
     # finding 2's request from the cluster: refused before the engine, which lives on
     chat = dict(TOOL_CALL, kv_transfer_params=dict(params, first_token_id=10**9))
     answer = member.post(decode.url + CHAT, json=chat)

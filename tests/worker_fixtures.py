@@ -94,6 +94,12 @@ class WorkerProcess:
         """Send signum to the worker's main process only (as a process manager would)."""
         self.process.send_signal(signum)
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the engine core included) and reap it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
     def stop(self) -> None:
         """Stop the whole process group; idempotent."""
         if self.process.poll() is None:
@@ -103,10 +109,7 @@ class WorkerProcess:
                 self.process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pass
-        # The engine core may outlive a main process that was killed: clear the group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+        self.kill()  # the engine core may outlive a main process that was killed
 
 
 def start_worker(

@@ -214,7 +214,7 @@ def check_against(params: KVTransferParams, worker: WorkerKV, num_prompt_tokens:
     logprobs = params.first_token_logprobs
     if logprobs is not None and any(token_id >= worker.vocab_size for token_id, _ in logprobs.top):
         message = f"a top token id is outside the vocabulary [0, {worker.vocab_size})"
-        raise KVParamsError("first_token_logprobs.top", message)
+        raise KVParamsError("first_token_logprobs", message)
     if params.num_prompt_tokens is not None and params.num_prompt_tokens != num_prompt_tokens:
         message = (
             f"{params.num_prompt_tokens}, but the prompt has {num_prompt_tokens} tokens here (do "

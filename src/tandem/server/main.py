@@ -2,8 +2,8 @@
 server, and (with --router) heartbeats.
 
 SIGTERM or SIGINT stop accepting connections, let in-flight responses finish for a short grace
-period, abort what is left, wait until the KV its prefills leased is collected (at most the
-lease timeout: the KV port stays open), stop the engine process and exit 0. An engine process
+period, abort what is left, wait until the KV its prefills leased is collected (the KV port
+stays open; at most the grace period again), stop the engine process and exit 0. An engine process
 that dies makes the worker unhealthy at once (503s, in-flight requests included), and the worker
 exits with ENGINE_DIED_EXIT_CODE a moment later, for its supervisor to restart it.
 
@@ -214,7 +214,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                 heartbeat.stop()
             if settings.kv_transport is not None and args.role != "pd":
                 # what it leased goes to its decode workers (over the KV port) before it stops
-                await client.settle_leases(args.kv_lease_timeout)
+                await client.settle_leases(min(args.kv_lease_timeout, GRACEFUL_SHUTDOWN_S))
             await client.shutdown()
 
     app = build_app(client, settings)
