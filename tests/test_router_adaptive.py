@@ -349,6 +349,9 @@ def start_router() -> Iterator[Callable[..., tuple[ThreadServer, dict[str, list[
         settings = dict(health_interval_s=0.05, disaggregation="conditional") | settings
         router = ThreadServer(create_app(RouterConfig(**urls, **settings))).start()
         servers.append(router)
+        pool, started = router.app.state.pool, sum(roles.values())
+        # every worker in the pool (its first health check answered) before a test reads it
+        wait_for(lambda: len(pool.available(("prefill", "decode", "both"))) == started)
         return router, fakes
 
     yield start
