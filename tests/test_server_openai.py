@@ -1203,7 +1203,7 @@ BAD_REQUESTS = [
         CHAT,
         {"messages": HI, "chat_template_kwargs": {"messages": 1}},
         400,
-        None,
+        "chat_template_kwargs",
     ),
     (
         "stream-options-unstreamed",

@@ -61,14 +61,19 @@ class ChatTemplateFields(BaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False
 
-    @model_validator(mode="after")
-    def _one_way_to_end(self):
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_fields_of_the_request(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
         for field in ("messages", "tools"):
-            if field in (self.chat_template_kwargs or {}):
+            if field in (kwargs or {}):
                 raise ValueError(
                     f"the template's {field} come from the request's {field} field: send them "
                     "there, not in chat_template_kwargs"
                 )
+        return kwargs
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self):
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError(
                 "continue_final_message needs add_generation_prompt=false (the assistant's last "
