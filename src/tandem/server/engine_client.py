@@ -481,5 +481,4 @@ def handed_over_logprobs(request: Request, first_token_id: int) -> list[TokenLog
     given = request.kv_transfer_params and request.kv_transfer_params.first_token_logprobs
     if wanted is None or not given:
         return None
-    top = [(token_id, logprob) for token_id, logprob in given.top[:wanted]]
-    return [TokenLogprobs(first_token_id, given.logprob, top, given.rank)]
+    return [TokenLogprobs(first_token_id, given.logprob, given.top[:wanted], given.rank)]

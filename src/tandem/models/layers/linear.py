@@ -99,12 +99,10 @@ class LinearBase(nn.Module, abc.ABC):
         """Copy this rank's part of one checkpoint tensor into `param` (weight or bias)."""
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (
-            self.fused
-            and x.dtype != torch.float32
-            and fused_kernels().prefers_small_batch_linear(x.shape[0], *self.weight.shape)
-        ):
-            return fused_kernels().small_batch_linear(x, self.weight, bias)
+        if self.fused and x.dtype != torch.float32:
+            kernels = fused_kernels()
+            if kernels.prefers_small_batch_linear(x.shape[0], *self.weight.shape):
+                return kernels.small_batch_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,7 @@ class ChatWriter(ResponseWriter):
             "stop_reason": choice.stop_reason,
         }
 
-    def count_first_chunk(self, choice: Choice, first_text: str) -> None:
+    def count_first_chunk(self, choice: Choice, token_id: int, first_text: str) -> None:
         """The router's first chunk holds the prefill answer's message for the first token:
         its reasoning, and its content less the stop-string hold-back (router/chunks.py). The
         same split of the same text here says how much of each the client has."""

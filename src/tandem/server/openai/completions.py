@@ -91,10 +91,9 @@ class CompletionWriter(ResponseWriter):
             choice.prompt_logprobs,
         )
 
-    def left_unsent(self, choice: Choice, delta: SequenceDelta) -> SequenceDelta:
+    def count_first_chunk(self, choice: Choice, token_id: int, first_text: str) -> None:
         # the client's first chunk holds the first token's logprobs (a PD decode leg)
-        choice.text_offset += len(self.token_text(delta.token_ids[0]))
-        return super().left_unsent(choice, delta)
+        choice.text_offset += len(self.token_text(token_id))
 
     async def opening_chunks(self) -> AsyncIterator[dict[str, Any]]:
         if self.body.echo:

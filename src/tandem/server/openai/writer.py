@@ -225,7 +225,7 @@ class ResponseWriter:
         logprobs, and its whole text less the stop-string hold-back (`pd.text`; all of the
         delta's text unless the delta also ends the output)."""
         first_text = self.first_token_text(delta.token_ids[0])
-        self.count_first_chunk(choice, first_text)
+        self.count_first_chunk(choice, delta.token_ids[0], first_text)
         shown = shown_first_text(first_text, self.hold_back)
         return dataclasses.replace(
             delta, text=delta.text[len(shown) :], token_ids=[], logprobs=None
@@ -238,8 +238,9 @@ class ResponseWriter:
         )
         return detokenizer.add(token_id)
 
-    def count_first_chunk(self, choice: Choice, first_text: str) -> None:
-        """Count as sent what the client's first chunk holds of the first token's text."""
+    def count_first_chunk(self, choice: Choice, token_id: int, first_text: str) -> None:
+        """Count as sent what the client's first chunk holds of the first token (`token_id`,
+        whose text after the prompt is `first_text`)."""
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
         chunk = {
