@@ -1214,7 +1214,7 @@ BAD_REQUESTS = [
     ),
     # JSON without NaN and Infinity, which Python's parser takes
     ("infinite-temperature", COMPLETIONS, b'{"prompt": "hi", "temperature": Infinity}', 400, None),
-    ("nan-penalty", COMPLETIONS, b'{"prompt": "hi", "repetition_penalty": NaN}', 400, None),
+    ("inf-penalty", COMPLETIONS, b'{"prompt": "hi", "repetition_penalty": Infinity}', 400, None),
     ("empty-stop-string", COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, None),
     ("suffix", COMPLETIONS, {"prompt": "def f(", "suffix": "return x"}, 400, "suffix"),
     ("best-of", COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
