@@ -127,7 +127,8 @@ FUSED_SUM_RANKS = textwrap.dedent(
             out = torch.empty_like(x)
             F._all_reduce_add_rms_norm_kernel[(PROGRAMS,)](
                 buffers, calls, x, residual, weight, out, rows, WIDTH, WIDTH, WIDTH, 1e-5, rank,
-                MOST_ROWS * WIDTH, RANKS=size, PROGRAMS=PROGRAMS, BITS=BITS, EMPTY=EMPTY,
+                MOST_ROWS * WIDTH, RANKS=size, RANKS_POW2=size, PROGRAMS=PROGRAMS, BITS=BITS,
+                EMPTY=EMPTY,
                 BLOCK=WIDTH, USE_PDL=False)
             got.append((out.float().numpy(), residual.float().numpy()))
         results.put((rank, got, calls.tolist()))
@@ -196,8 +197,8 @@ def test_the_fused_sums_call_count_is_one_atomic_for_the_whole_program():
     pointers = {"buffers_ptr": "*i64", "calls_ptr": "*i64", "x_ptr": "*bf16",
                 "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
     _, bits, empty = F.BITS[2]
-    constants = {"RANKS": 4, "PROGRAMS": F.PROGRAMS, "BITS": bits, "EMPTY": empty, "BLOCK": 4096,
-                 "USE_PDL": True}  # fmt: skip
+    constants = {"RANKS": 4, "RANKS_POW2": 4, "PROGRAMS": F.PROGRAMS, "BITS": bits,
+                 "EMPTY": empty, "BLOCK": 4096, "USE_PDL": True}  # fmt: skip
     signature = {
         name: pointers.get(name) or ("constexpr" if name in constants else "fp32" if name == "eps"
                                      else "i32")

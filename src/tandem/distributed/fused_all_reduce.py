@@ -51,6 +51,7 @@ def _all_reduce_add_rms_norm_kernel(
     rank,
     slot_elements,
     RANKS: tl.constexpr,
+    RANKS_POW2: tl.constexpr,
     PROGRAMS: tl.constexpr,
     BITS: tl.constexpr,
     EMPTY: tl.constexpr,
@@ -59,26 +60,37 @@ def _all_reduce_add_rms_norm_kernel(
 ):
     wait_for_previous(USE_PDL)
     program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    dtype = x_ptr.dtype.element_ty
+    # every load is issued before what precedes its use, so that they overlap the call count's
+    # atomic, and a row's the stores of the row before
+    ranks = tl.arange(0, RANKS_POW2)
+    addresses = tl.load(buffers_ptr + ranks, mask=ranks < RANKS, other=0)
+    first = tl.zeros_like(cols) + program  # the row, for every column: the mask's shape
+    x_row = tl.load(x_ptr + program * x_stride + cols, mask=mask & (first < num_rows))
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # one atomic, its value broadcast to the program's warps: a load and a store here let a
     # warp that read late see the count another warp had already raised, and take the other
     # slot set for its part of the row (the ranks then wait on each other for ever)
     call = tl.atomic_add(calls_ptr + program, 1, sem="relaxed") + 1
     parity = call % 2
-    cols = tl.arange(0, BLOCK)
-    mask = cols < width
-    dtype = x_ptr.dtype.element_ty
     # write this rank's rows into its slot of every rank's buffer
     for row in range(program, num_rows, PROGRAMS):
-        values = tl.load(x_ptr + row * x_stride + cols, mask=mask).to(BITS, bitcast=True)
+        values = x_row.to(BITS, bitcast=True)
+        next_row = tl.zeros_like(cols) + (row + PROGRAMS)
+        x_row = tl.load(x_ptr + next_row * x_stride + cols, mask=mask & (next_row < num_rows))
         values = tl.where(values == EMPTY, tl.zeros_like(values), values)
         for peer in tl.static_range(RANKS):
-            slots = tl.load(buffers_ptr + peer).to(tl.pointer_type(BITS))
+            slots = _address(addresses, ranks, peer).to(tl.pointer_type(BITS))
             slot = slots + (parity * RANKS + rank) * slot_elements
             tl.store(slot + row * width + cols, values, mask=mask)
-    own = tl.load(buffers_ptr + rank).to(tl.pointer_type(BITS)) + parity * RANKS * slot_elements
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    own = _address(addresses, ranks, rank).to(tl.pointer_type(BITS))
+    own += parity * RANKS * slot_elements
     empty = tl.full([BLOCK], EMPTY, BITS)
     for row in range(program, num_rows, PROGRAMS):
+        residual_row = residual_ptr + row * residual_stride + cols
+        residual = tl.load(residual_row, mask=mask, other=0.0)  # in flight while it waits
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for peer in tl.static_range(RANKS):
             slot = own + peer * slot_elements + row * width + cols
@@ -87,8 +99,6 @@ def _all_reduce_add_rms_norm_kernel(
                 part = tl.load(slot, mask=mask, other=0, volatile=True)
             tl.store(slot, empty, mask=mask)
             total += part.to(dtype, bitcast=True).to(tl.float32)
-        residual_row = residual_ptr + row * residual_stride + cols
-        residual = tl.load(residual_row, mask=mask, other=0.0)
         summed = (total.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
         tl.store(residual_row, summed, mask=mask)
         values = summed.to(tl.float32)
@@ -96,6 +106,12 @@ def _all_reduce_add_rms_norm_kernel(
         normed = (values * tl.rsqrt(variance + eps)).to(dtype)
         out = weight * normed.to(tl.float32)
         tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _address(addresses, ranks, rank):
+    """Rank `rank`'s buffer address, out of all of them in registers."""
+    return tl.sum(tl.where(ranks == rank, addresses, 0), axis=0)
 
 
 class AllReduceAddRMSNorm:
@@ -153,7 +169,7 @@ class AllReduceAddRMSNorm:
         _all_reduce_add_rms_norm_kernel[(PROGRAMS,)](
             self.buffers, self.calls, x, residual, weight, out, rows, width, x.stride(0),
             residual.stride(0), eps, self.rank, self.slot_elements, RANKS=self.size,
-            PROGRAMS=PROGRAMS, BITS=bits, EMPTY=empty, BLOCK=triton.next_power_of_2(width),
-            **pdl_options(x.device),
+            RANKS_POW2=triton.next_power_of_2(self.size), PROGRAMS=PROGRAMS, BITS=bits,
+            EMPTY=empty, BLOCK=triton.next_power_of_2(width), **pdl_options(x.device),
         )  # fmt: skip
         return out
