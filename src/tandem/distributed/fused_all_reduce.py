@@ -10,10 +10,10 @@ in group.py).
 
 How the ranks meet: every rank maps one buffer of every other (torch's symmetric memory), whose
 slots hold EMPTY (negative zero's bits) wherever no value is waiting. A call writes this rank's
-rows into its own slot of every rank's buffer (a negative zero goes as a positive one), then
-reads the slots of its own buffer until no element is EMPTY, sums them, and writes EMPTY back:
-the values are their own flags, so no fence or flag round trip stands between a rank's write
-and its peer's read. The grid is always PROGRAMS programs, program p taking rows p, p +
+rows into its own slot of every other rank's buffer (a negative zero goes as a positive one),
+then reads the other ranks' slots of its own buffer until no element is EMPTY, sums them with
+its own rows in rank order, and writes EMPTY back: the values are their own flags, so no fence
+or flag round trip stands between a rank's write and its peer's read. The grid is always PROGRAMS programs, program p taking rows p, p +
 PROGRAMS, ..., with its own call count (the ranks make the same calls, so the counts agree; all
 the warps of a program take its value from one atomic, relaxed: kernel boundaries order the calls).
 Calls alternate between two sets of slots: a peer writes a set again two calls later, after it
@@ -75,29 +75,33 @@ def _all_reduce_add_rms_norm_kernel(
     # slot set for its part of the row (the ranks then wait on each other for ever)
     call = tl.atomic_add(calls_ptr + program, 1, sem="relaxed") + 1
     parity = call % 2
-    # write this rank's rows into its slot of every rank's buffer
+    # write this rank's rows into its slot of every other rank's buffer
     for row in range(program, num_rows, PROGRAMS):
-        values = x_row.to(BITS, bitcast=True)
+        values = _sent(x_row, BITS, EMPTY)
         next_row = tl.zeros_like(cols) + (row + PROGRAMS)
         x_row = tl.load(x_ptr + next_row * x_stride + cols, mask=mask & (next_row < num_rows))
-        values = tl.where(values == EMPTY, tl.zeros_like(values), values)
         for peer in tl.static_range(RANKS):
-            slots = _address(addresses, ranks, peer).to(tl.pointer_type(BITS))
-            slot = slots + (parity * RANKS + rank) * slot_elements
-            tl.store(slot + row * width + cols, values, mask=mask)
+            if peer != rank:
+                slots = _address(addresses, ranks, peer).to(tl.pointer_type(BITS))
+                slot = slots + (parity * RANKS + rank) * slot_elements
+                tl.store(slot + row * width + cols, values, mask=mask)
     own = _address(addresses, ranks, rank).to(tl.pointer_type(BITS))
     own += parity * RANKS * slot_elements
     empty = tl.full([BLOCK], EMPTY, BITS)
     for row in range(program, num_rows, PROGRAMS):
         residual_row = residual_ptr + row * residual_stride + cols
         residual = tl.load(residual_row, mask=mask, other=0.0)  # in flight while it waits
+        own_row = _sent(tl.load(x_ptr + row * x_stride + cols, mask=mask), BITS, EMPTY)
         total = tl.zeros([BLOCK], dtype=tl.float32)
-        for peer in tl.static_range(RANKS):
-            slot = own + peer * slot_elements + row * width + cols
-            part = tl.load(slot, mask=mask, other=0, volatile=True)
-            while tl.sum((part == EMPTY).to(tl.int32), axis=0) > 0:
+        for peer in tl.static_range(RANKS):  # in rank order, this rank's row from its input
+            if peer == rank:
+                part = own_row
+            else:
+                slot = own + peer * slot_elements + row * width + cols
                 part = tl.load(slot, mask=mask, other=0, volatile=True)
-            tl.store(slot, empty, mask=mask)
+                while tl.sum((part == EMPTY).to(tl.int32), axis=0) > 0:
+                    part = tl.load(slot, mask=mask, other=0, volatile=True)
+                tl.store(slot, empty, mask=mask)
             total += part.to(dtype, bitcast=True).to(tl.float32)
         summed = (total.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
         tl.store(residual_row, summed, mask=mask)
@@ -106,6 +110,13 @@ def _all_reduce_add_rms_norm_kernel(
         normed = (values * tl.rsqrt(variance + eps)).to(dtype)
         out = weight * normed.to(tl.float32)
         tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sent(row, BITS: tl.constexpr, EMPTY: tl.constexpr):
+    """A row's bits as sent: a negative zero (EMPTY's bits) as a positive one."""
+    values = row.to(BITS, bitcast=True)
+    return tl.where(values == EMPTY, tl.zeros_like(values), values)
 
 
 @triton.jit
