@@ -13,9 +13,10 @@ slots hold EMPTY (negative zero's bits) wherever no value is waiting. A call wri
 rows into its own slot of every other rank's buffer (a negative zero goes as a positive one),
 then reads the other ranks' slots of its own buffer until no element is EMPTY, sums them with
 its own rows in rank order, and writes EMPTY back: the values are their own flags, so no fence
-or flag round trip stands between a rank's write and its peer's read. The grid is always PROGRAMS programs, program p taking rows p, p +
-PROGRAMS, ..., with its own call count (the ranks make the same calls, so the counts agree; all
-the warps of a program take its value from one atomic, relaxed: kernel boundaries order the calls).
+or flag round trip stands between a rank's write and its peer's read. The grid is always
+PROGRAMS programs, program p taking rows p, p + PROGRAMS, ..., with its own call count (the
+ranks make the same calls, so the counts agree; all the warps of a program take its value from
+one atomic, relaxed: kernel boundaries order the calls).
 Calls alternate between two sets of slots: a peer writes a set again two calls later, after it
 has read this rank's rows of the call between, which this rank wrote only after its kernel
 that emptied the set had ended. So the kernel is captured in CUDA graphs like any other.
