@@ -519,6 +519,11 @@ def test_echo_without_tokens_scores_the_prompt_only(client, llm):
 
     plain = client.completions.create(model=MODEL, prompt=FRUITS, max_tokens=0, echo=True)
     assert plain.choices[0].text == FRUITS and plain.choices[0].logprobs is None
+    newer = {"max_completion_tokens": 0}  # the newer name, which wins over max_tokens
+    named = client.completions.create(
+        model=MODEL, prompt=FRUITS, echo=True, max_tokens=5, extra_body=newer
+    )
+    assert named.choices[0].text == FRUITS and named.usage.completion_tokens == 0
     with pytest.raises(openai.BadRequestError):  # without echo, nothing to answer (as vLLM)
         client.completions.create(model=MODEL, prompt=FRUITS, max_tokens=0)
 

@@ -26,9 +26,10 @@ class CompletionRequest(SamplingFields):
         return max(counts) if counts else None
 
     def scores_prompt_only(self) -> bool:
-        """echo with max_tokens 0: the answer is the prompt (with its logprobs), no token
-        generated (OpenAI's legacy completions; lm-evaluation-harness's loglikelihood)."""
-        return self.echo and self.max_tokens == 0
+        """echo with max_tokens (or max_completion_tokens, which wins) 0: the answer is the
+        prompt (with its logprobs), no token generated (OpenAI's legacy completions;
+        lm-evaluation-harness's loglikelihood)."""
+        return self.echo and super().engine_max_tokens() == 0
 
     def engine_max_tokens(self) -> int | None:
         """As vLLM, a prompt scored only runs for one token, which the answer leaves out."""
