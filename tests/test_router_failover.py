@@ -1,4 +1,5 @@
-"""A decode worker killed while requests stream through `tandem router`, all in real processes.
+"""A decode worker killed while requests stream through `tandem router`, and a prefill worker
+killed while it prefills, all in real processes.
 
 The workers are fake (tests/fake_worker.py: the completion of "a b" is " a b a b ...");
 the router is the real command.
@@ -134,4 +135,59 @@ def test_killing_the_decode_worker_mid_stream(spawn):
     wait_for(lambda: both_workers_healthy(client, router_url), timeout=20)
     answer = client.post(router_url + "/v1/completions", json={"prompt": "a b", "max_tokens": 3})
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " a b a"
+    client.close()
+
+
+def test_a_prefill_worker_killed_mid_prefill_leaves_the_request_to_the_decode_worker(spawn):
+    """The prefill worker dies while it holds the prefill legs (nothing reached the clients):
+    each request, streamed or not, goes whole to the decode worker, and the router counts it
+    so. It was a 503 (no prefill worker could take the request)."""
+    prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
+    fake = ("fake_worker", "--host", "127.0.0.1")
+    prefill_args = (*fake, "--role", "prefill", "--port", str(prefill_port))
+    prefill = spawn("prefill", *prefill_args, "--prefill-delay", "30")
+    spawn("decode", *fake, "--role", "decode", "--port", str(decode_port))
+    router_url = f"http://127.0.0.1:{router_port}"
+    spawn("router", "tandem.cli", "router", "--port", str(router_port), "--prefill",
+          f"http://127.0.0.1:{prefill_port}", "--decode", f"http://127.0.0.1:{decode_port}",
+          "--health-interval", "0.2")  # fmt: skip
+    client = httpx.Client(timeout=20)
+    wait_for(lambda: both_workers_healthy(client, router_url), timeout=20)
+
+    body = {"prompt": "a b", "max_tokens": 5}
+    answers: dict[bool, httpx.Response] = {}
+
+    def ask(streamed: bool) -> None:
+        answers[streamed] = client.post(
+            router_url + "/v1/completions", json=dict(body, stream=streamed)
+        )
+
+    askers = [threading.Thread(target=ask, args=(streamed,)) for streamed in (False, True)]
+    for asker in askers:
+        asker.start()
+    prefill_stats = f"http://127.0.0.1:{prefill_port}/fake/stats"
+    wait_for(lambda: len(client.get(prefill_stats).json()["requests"]) == 2, timeout=10)
+    prefill.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    for asker in askers:
+        asker.join(timeout=15)
+    assert not any(asker.is_alive() for asker in askers), "a request hung"
+    assert time.monotonic() - killed_at < 5
+
+    whole = answers[False]
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0]["text"] == " a b a b a"
+    streamed = answers[True]
+    assert streamed.status_code == 200, streamed.text
+    payloads = [line[len("data: ") :] for line in streamed.text.splitlines()
+                if line.startswith("data: ")]  # fmt: skip
+    assert payloads[-1] == "[DONE]"
+    text = "".join(json.loads(data)["choices"][0]["text"] for data in payloads[:-1])
+    assert text == " a b a b a"
+    decode_stats = client.get(f"http://127.0.0.1:{decode_port}/fake/stats").json()
+    kinds = [request["kind"] for request in decode_stats["requests"]]
+    assert kinds == ["plain", "plain"], kinds
+    metrics = client.get(router_url + "/metrics").text
+    counted = 'tandem_router_pd_decisions_total{decision="whole",reason="prefill_failed"} 2.0'
+    assert counted in metrics
     client.close()

@@ -12,6 +12,9 @@ refuses, the sequential flow takes over. The client sees the same stream either 
 first token, its splice and the lease release are `hand_off`'s.
 
 Invariants:
+* A prefill leg that fails without an answer (its worker died, hung past the leg timeout or was
+  given up, or none was left to try) sends the request whole to a decode worker: nothing had
+  reached the client, and a decode worker serves whole requests too.
 * After the first byte, a failure ends the stream with an error event and `data: [DONE]`.
 * The decode leg is retried on another decode worker while none of its bytes reached the client
   (the prefill lease still holds the KV).
@@ -22,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -72,6 +76,12 @@ from tandem.router.workers import Worker, WorkerPool
 
 Flow = AsyncGenerator[ResponseHead | bytes, None]
 Answer = Sequence[ResponseHead | bytes]
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillFailed(Exception):
+    """The prefill leg failed without an answer, before anything went to the client."""
 
 
 class HttpLegs:
@@ -136,7 +146,7 @@ class HttpLegs:
         except LEG_FAILURES as exc:
             if pinned is not None and isinstance(exc, NoWorker):
                 raise  # the sequential flow takes over
-            return failure_answer(ctx, exc, "the prefill worker")
+            raise PrefillFailed(f"{exc!r}") from exc
         if leg.response.status != 200:
             return relayed(ctx, leg, data)
         try:
@@ -387,7 +397,19 @@ class Flows:
 
     async def disaggregated(self, ctx: RequestContext, decode_policy: Policy | None = None) -> Flow:
         """Two legs; the decode leg's worker is `decode_policy`'s choice (else the decode
-        policy's)."""
+        policy's). The request goes whole to that worker if the prefill leg fails."""
+        try:
+            async for item in self._two_legs(ctx, decode_policy):
+                yield item
+            return
+        except PrefillFailed as failed:
+            logger.warning("request %s: the prefill leg failed (%s); served whole", ctx.request_id,
+                           failed)  # fmt: skip
+        self.metrics.pd_decisions.labels("whole", "prefill_failed").inc()
+        async for item in self.plain(ctx, decode_policy):
+            yield item
+
+    async def _two_legs(self, ctx: RequestContext, decode_policy: Policy | None) -> Flow:
         prefix = self.prefill_prefix(ctx)
         hold_back = stop_hold_back(
             ctx.body.get("stop"), bool(ctx.body.get("include_stop_str_in_output"))
