@@ -65,26 +65,31 @@ def both_workers_healthy(client: httpx.Client, router_url: str) -> bool:
     return workers["prefill"] == 1 and workers["decode"] == 1
 
 
+def spawn_router(spawn, router_port: int, prefill_port: int, decode_port: int) -> str:
+    """`tandem router` over one prefill and one decode worker; its URL."""
+    spawn("router", "tandem.cli", "router", "--port", str(router_port), "--prefill",
+          f"http://127.0.0.1:{prefill_port}", "--decode", f"http://127.0.0.1:{decode_port}",
+          "--health-interval", "0.2")  # fmt: skip
+    return f"http://127.0.0.1:{router_port}"
+
+
+def kill_and_join(process: subprocess.Popen[bytes], clients: list[threading.Thread]) -> None:
+    """SIGKILL the worker: every client thread ends within 5 s of it."""
+    process.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    for client in clients:
+        client.join(timeout=10)
+    assert not any(client.is_alive() for client in clients), "a request hung"
+    assert time.monotonic() - killed_at < 5
+
+
 def test_killing_the_decode_worker_mid_stream(spawn):
     prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
     fake = ("fake_worker", "--host", "127.0.0.1")
     spawn("prefill", *fake, "--role", "prefill", "--port", str(prefill_port))
     decode_args = (*fake, "--role", "decode", "--port", str(decode_port), "--token-delay", "0.05")
     decode = spawn("decode", *decode_args)
-    router_url = f"http://127.0.0.1:{router_port}"
-    spawn(
-        "router",
-        "tandem.cli",
-        "router",
-        "--port",
-        str(router_port),
-        "--prefill",
-        f"http://127.0.0.1:{prefill_port}",
-        "--decode",
-        f"http://127.0.0.1:{decode_port}",
-        "--health-interval",
-        "0.2",
-    )
+    router_url = spawn_router(spawn, router_port, prefill_port, decode_port)
     client = httpx.Client(timeout=10)
     # Both workers in the pool, not just the decode worker (/health is 200 with that alone, and
     # the streams would then run on it as plain requests).
@@ -108,12 +113,7 @@ def test_killing_the_decode_worker_mid_stream(spawn):
         reader.start()
     for event in started:
         assert event.wait(timeout=10), "the streams did not start"
-    decode.send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    for reader in readers:
-        reader.join(timeout=10)
-    assert not any(reader.is_alive() for reader in readers), "a stream hung"
-    assert time.monotonic() - killed_at < 5
+    kill_and_join(decode, readers)
 
     for payloads in streams:
         assert payloads[-1] == "[DONE]"
@@ -147,10 +147,7 @@ def test_a_prefill_worker_killed_mid_prefill_leaves_the_request_to_the_decode_wo
     prefill_args = (*fake, "--role", "prefill", "--port", str(prefill_port))
     prefill = spawn("prefill", *prefill_args, "--prefill-delay", "30")
     spawn("decode", *fake, "--role", "decode", "--port", str(decode_port))
-    router_url = f"http://127.0.0.1:{router_port}"
-    spawn("router", "tandem.cli", "router", "--port", str(router_port), "--prefill",
-          f"http://127.0.0.1:{prefill_port}", "--decode", f"http://127.0.0.1:{decode_port}",
-          "--health-interval", "0.2")  # fmt: skip
+    router_url = spawn_router(spawn, router_port, prefill_port, decode_port)
     client = httpx.Client(timeout=20)
     wait_for(lambda: both_workers_healthy(client, router_url), timeout=20)
 
@@ -167,12 +164,7 @@ def test_a_prefill_worker_killed_mid_prefill_leaves_the_request_to_the_decode_wo
         asker.start()
     prefill_stats = f"http://127.0.0.1:{prefill_port}/fake/stats"
     wait_for(lambda: len(client.get(prefill_stats).json()["requests"]) == 2, timeout=10)
-    prefill.send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    for asker in askers:
-        asker.join(timeout=15)
-    assert not any(asker.is_alive() for asker in askers), "a request hung"
-    assert time.monotonic() - killed_at < 5
+    kill_and_join(prefill, askers)
 
     whole = answers[False]
     assert whole.status_code == 200, whole.text
