@@ -141,7 +141,7 @@ def test_killing_the_decode_worker_mid_stream(spawn):
 def test_a_prefill_worker_killed_mid_prefill_leaves_the_request_to_the_decode_worker(spawn):
     """The prefill worker dies while it holds the prefill legs (nothing reached the clients):
     each request, streamed or not, goes whole to the decode worker, and the router counts it
-    so. It was a 503 (no prefill worker could take the request)."""
+    so."""
     prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
     fake = ("fake_worker", "--host", "127.0.0.1")
     prefill_args = (*fake, "--role", "prefill", "--port", str(prefill_port))

@@ -128,8 +128,7 @@ FUSED_SUM_RANKS = textwrap.dedent(
             F._all_reduce_add_rms_norm_kernel[(PROGRAMS,)](
                 buffers, calls, x, residual, weight, out, rows, WIDTH, WIDTH, WIDTH, 1e-5, rank,
                 MOST_ROWS * WIDTH, RANKS=size, RANKS_POW2=size, PROGRAMS=PROGRAMS, BITS=BITS,
-                EMPTY=EMPTY,
-                BLOCK=WIDTH, USE_PDL=False)
+                EMPTY=EMPTY, BLOCK=WIDTH, USE_PDL=False)
             got.append((out.float().numpy(), residual.float().numpy()))
         results.put((rank, got, calls.tolist()))
 

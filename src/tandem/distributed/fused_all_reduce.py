@@ -64,8 +64,8 @@ def _all_reduce_add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     dtype = x_ptr.dtype.element_ty
-    # every load is issued before what precedes its use, so that they overlap the call count's
-    # atomic, and a row's the stores of the row before
+    # loads go out ahead of what precedes their use: the addresses, the first row and the norm's
+    # weight overlap the call count's atomic; each next row, the stores of the row before
     ranks = tl.arange(0, RANKS_POW2)
     addresses = tl.load(buffers_ptr + ranks, mask=ranks < RANKS, other=0)
     first = tl.zeros_like(cols) + program  # the row, for every column: the mask's shape
