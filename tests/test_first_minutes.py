@@ -80,8 +80,9 @@ def test_a_draining_worker_finishes_its_requests(make_cluster):
 @pytest.mark.parametrize("stage", ["prefill", "decode", "decode streamed"])
 def test_a_wedged_worker_frees_its_request_promptly(make_cluster, stage: str):
     """A worker that stops answering (its health checks time out) is lost after the read
-    timeout: its leg ends with a 504 (or an error event once streaming), the upstream
-    connection is closed, and the prefill lease is released."""
+    timeout: its leg ends, the upstream connection is closed, and the prefill lease is
+    released. A lost decode leg's request ends with a 504 (or an error event once streaming);
+    a lost prefill leg's goes whole to the decode worker."""
     cluster = make_cluster(**FAST_HEALTH)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     wedged = prefill if stage == "prefill" else decode
@@ -98,16 +99,22 @@ def test_a_wedged_worker_frees_its_request_promptly(make_cluster, stage: str):
     else:
         wedged.control.prefill_delay_s = wedged.control.answer_delay_s = 30.0
         status, answer = completion(cluster.url, body)
-        assert status == 504 and answer["error"]["code"] == "worker_lost", answer
-        error = answer["error"]
         counter = "aborted_prefills" if stage == "prefill" else "aborted_answers"
         wait_for(lambda: getattr(wedged.stats, counter) == 1)
     elapsed = time.monotonic() - started
     assert READ_TIMEOUT_S <= elapsed < READ_TIMEOUT_S + 2, elapsed
+    samples = metric_samples(cluster.url)
+    if stage == "prefill":
+        assert status == 200 and answer["choices"][0]["text"] == " a b a", answer
+        assert [request["kind"] for request in decode.stats.requests] == ["plain"]
+        assert samples['tandem_router_pd_decisions_total{decision="whole",reason="prefill_failed"}']
+        return
+    if stage == "decode":
+        assert status == 504 and answer["error"]["code"] == "worker_lost", answer
+        error = answer["error"]
     assert wedged.url in error["message"] and "stopped answering" in error["message"]
     assert error.keys() == {"message", "type", "param", "code"}
     wait_for(lambda: prefill.stats.released == prefill.stats.leased)
-    samples = metric_samples(cluster.url)
     assert samples['tandem_router_requests_total{endpoint="completions",outcome="upstream_error"}']
 
 
