@@ -12,9 +12,9 @@ refuses, the sequential flow takes over. The client sees the same stream either 
 first token, its splice and the lease release are `hand_off`'s.
 
 Invariants:
-* A prefill leg that fails without an answer (its worker died, hung past the leg timeout or was
-  given up, or none was left to try) sends the request whole to a decode worker: nothing had
-  reached the client, and a decode worker serves whole requests too.
+* A prefill leg that fails without an answer (its worker died, or was given up for lost: hung,
+  its health checks unanswered; or none was left to try) sends the request whole to a decode
+  worker: nothing had reached the client, and a decode worker serves whole requests too.
 * After the first byte, a failure ends the stream with an error event and `data: [DONE]`.
 * The decode leg is retried on another decode worker while none of its bytes reached the client
   (the prefill lease still holds the KV).
