@@ -479,3 +479,45 @@ def test_every_field_of_an_answer_through_the_router(client, trio, routers, case
     for name, router in routers.items():
         assert fields(router.url) == expected, name
     assert_nothing_held(trio["prefill"], trio["decode"])
+
+
+CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", dict(ONCE, max_tokens=6)),
+        ("/v1/chat/completions", {"messages": HAIKU, "max_tokens": 6, "temperature": 0.0}),
+        ("/v1/completions", dict(ONCE, max_tokens=8, stop=[","])),  # the prefill answers alone
+    ],
+    ids=["completion", "chat", "stopped on the first token"],
+)
+def test_continuous_usage_through_the_router(client, trio, routers, path, body):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far. The
+    router's first chunk (the prefill's token) and the decode's chunks count as `both` does:
+    the same completion_tokens, in order (less `both`'s role chunk, which counts 0: the router
+    sends the role with the first token; and a count repeated by a chunk that only ends the
+    answer, as the router's after a first token that ends it), the same usage at the end."""
+    body = dict(body, stream=True, stream_options=CONTINUOUS_USAGE)
+
+    def counts(url: str) -> tuple[list[int], dict[str, int]]:
+        with client.stream("POST", url + path, json=body, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            *chunks, last = read_stream(response)
+        prompt_tokens = last["usage"]["prompt_tokens"]
+        assert last["choices"] == [] and all(c["choices"] for c in chunks)
+        assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in chunks)
+        running = [c["usage"]["completion_tokens"] for c in chunks]
+        assert running == sorted(running) and running[-1] == last["usage"]["completion_tokens"]
+        final = {name: last["usage"][name] for name in ("prompt_tokens", "completion_tokens")}
+        return [count for count in dict.fromkeys(running) if count], final
+
+    expected = counts(trio["both"].url)
+    assert expected[0][0] == 1
+    for name, router in routers.items():
+        assert counts(router.url) == expected, name
+    assert_nothing_held(trio["prefill"], trio["decode"])
+    alone = dict(body, stream_options={"continuous_usage_stats": True})  # no include_usage
+    with client.stream("POST", trio["both"].url + path, json=alone, timeout=120) as response:
+        assert not any("usage" in chunk for chunk in read_stream(response))

@@ -46,11 +46,26 @@ def chunk(
     }
 
 
-def first_chunk(endpoint: str, request_id: str, answer: dict[str, Any], text: str) -> bytes:
-    """The first token's event: `text`, and its logprobs and id from the prefill's answer."""
+def usage_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """A streamed request's (include_usage, continuous_usage_stats): the usage chunk at the end,
+    and vLLM's usage so far in every chunk (only with include_usage)."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict):  # the decode worker refuses an odd value itself
+        options = {}
+    include = bool(options.get("include_usage"))
+    return include, include and bool(options.get("continuous_usage_stats"))
+
+
+def first_chunk(
+    endpoint: str, request_id: str, answer: dict[str, Any], text: str, continuous: bool = False
+) -> bytes:
+    """The first token's event: `text`, and its logprobs and id from the prefill's answer (and
+    its usage, one token so far, with `continuous` usage)."""
     event = chunk(
         endpoint, request_id, answer, text, None, delta={"role": "assistant", "content": text}
     )
+    if continuous:
+        event["usage"] = answer.get("usage")
     prefill_choice = answer["choices"][0]
     message = prefill_choice.get("message") or {}
     for field in REASONING_FIELDS:  # a reasoning parser's split of the first token's text
@@ -63,15 +78,18 @@ def first_chunk(endpoint: str, request_id: str, answer: dict[str, Any], text: st
 
 
 def prefill_only_chunks(
-    endpoint: str, request_id: str, answer: dict[str, Any], text: str, include_usage: bool
+    endpoint: str, request_id: str, answer: dict[str, Any], text: str, body: dict[str, Any]
 ) -> list[bytes]:
-    """A whole streamed answer made from the prefill leg's answer alone."""
+    """A whole streamed answer, for a request of `body`, made from the prefill leg's answer."""
+    include_usage, continuous = usage_options(body)
     prefill_choice = answer["choices"][0]
     last = chunk(
         endpoint, request_id, answer, "", prefill_choice.get("finish_reason"), delta={},
         stop_reason=prefill_choice.get("stop_reason"),
     )  # fmt: skip
-    events = [first_chunk(endpoint, request_id, answer, text), sse_event(last)]
+    if continuous:
+        last["usage"] = answer.get("usage")
+    events = [first_chunk(endpoint, request_id, answer, text, continuous), sse_event(last)]
     if include_usage:
         usage_chunk = chunk(endpoint, request_id, answer, "", None, delta={})
         usage_chunk["choices"] = []
@@ -95,7 +113,7 @@ class DecodeChunks:
         for choice in choices:
             if self.endpoint == "chat":
                 (choice.get("delta") or {}).pop("role", None)
-        if choices and not event.get("usage") and all(map(self._is_empty, choices)):
+        if choices and all(map(self._is_empty, choices)):  # (its continuous usage says no more)
             return None
         return event
 

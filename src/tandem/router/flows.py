@@ -37,7 +37,7 @@ from tandem.kv.params import KVTransferParams
 from tandem.pd.handoff import FirstToken, hand_off
 from tandem.pd.params import from_wire, handoff_decode_params, to_wire
 from tandem.pd.text import stop_hold_back
-from tandem.router.chunks import DecodeChunks, first_chunk, prefill_only_chunks
+from tandem.router.chunks import DecodeChunks, first_chunk, prefill_only_chunks, usage_options
 from tandem.router.classify import choice_text, prefill_leg_body, wants_one_token
 from tandem.router.config import RouterConfig
 from tandem.router.decide import cached_units, decide, estimated_tokens
@@ -169,11 +169,8 @@ class HttpLegs:
         if not self.ctx.stream:
             return JSON_HEAD, msgspec.json.encode(answer)
         ctx = self.ctx
-        include_usage = bool((ctx.body.get("stream_options") or {}).get("include_usage"))
         text = first.text  # the whole of it: the request ends there
-        return SSE_HEAD, *prefill_only_chunks(
-            ctx.endpoint, ctx.request_id, answer, text, include_usage
-        )
+        return SSE_HEAD, *prefill_only_chunks(ctx.endpoint, ctx.request_id, answer, text, ctx.body)
 
     async def decode_refused(self) -> Answer | None:
         opening = self.opening
@@ -192,7 +189,9 @@ class HttpLegs:
 
     def first_token(self, first: FirstToken, shown_text: str) -> Answer:
         ctx = self.ctx
-        return SSE_HEAD, first_chunk(ctx.endpoint, ctx.request_id, self.answer, shown_text)
+        _, continuous = usage_options(ctx.body)
+        event = first_chunk(ctx.endpoint, ctx.request_id, self.answer, shown_text, continuous)
+        return SSE_HEAD, event
 
     async def continuation(self) -> AsyncGenerator[ResponseHead | bytes, None]:
         assert self.opening is not None

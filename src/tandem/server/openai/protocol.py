@@ -42,6 +42,7 @@ class FieldError(ValueError):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, each chunk's usage so far
 
 
 class JsonSchemaFormat(BaseModel):

@@ -188,9 +188,17 @@ class ResponseWriter:
         choices = self.new_choices()
         cached = 0
         tracker = LatencyTracker(metrics, self.settings.served_model_name, arrival, len(choices))
+        options = self.body.stream_options
+        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+
+        def with_usage(chunk: dict[str, Any]) -> dict[str, Any]:
+            if continuous:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                chunk["usage"] = self.usage(choices, cached)
+            return chunk
+
         try:
             async for event in self.opening_chunks():
-                yield event
+                yield with_usage(event)
             async for prompt_index, delta in deltas:
                 tracker.observe(delta)
                 index = self.choice_index(prompt_index, delta)
@@ -209,10 +217,10 @@ class ResponseWriter:
                 if delta.text or delta.finish_reason is not None or delta.logprobs or wants_ids:
                     choice_chunk = self.delta_choice(index, delta, choice)
                     if choice_chunk is not None:
-                        yield self.chunk([self.with_token_ids(choice_chunk, delta.token_ids)])
+                        chunk = self.chunk([self.with_token_ids(choice_chunk, delta.token_ids)])
+                        yield with_usage(chunk)
         finally:  # a request cut short (disconnect, error) is counted too
             tracker.finish(choices.values())
-        options = self.body.stream_options
         if options is not None and options.include_usage:
             yield self.chunk([], usage=self.usage(choices, cached))
 
