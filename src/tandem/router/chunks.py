@@ -113,7 +113,9 @@ class DecodeChunks:
         for choice in choices:
             if self.endpoint == "chat":
                 (choice.get("delta") or {}).pop("role", None)
-        if choices and all(map(self._is_empty, choices)):  # (its continuous usage says no more)
+        # a chunk whose choices are empty says nothing new, even with its running usage
+        # (continuous_usage_stats): the decode's role chunk, counting 0 after the first token
+        if choices and all(map(self._is_empty, choices)):
             return None
         return event
 
