@@ -132,6 +132,13 @@ def _stat_fields(pid: int) -> list[str] | None:
     return stat[stat.rindex(")") + 2 :].split()  # state, ppid, ...
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
 def parent_of(pid: int) -> int | None:
     fields = _stat_fields(pid)
     return int(fields[1]) if fields else None
@@ -235,6 +242,35 @@ def test_a_crashed_worker_is_restarted_and_the_cluster_stays_up(launch):
     launcher.process.send_signal(signal.SIGINT)
     assert launcher.process.wait(timeout=15) == 0
     wait_until_gone(children, timeout=5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stopped_worker_is_killed_and_restarted(launch):
+    """A worker that stops answering (SIGSTOP, as a deadlocked or swapped-out one) is killed
+    once it has answered no health check for --unresponsive-timeout, and started again."""
+    launcher = launch("--unresponsive-timeout", "2")
+    launcher.wait_for_line("ready at")
+    router_url = f"http://127.0.0.1:{launcher.port}"
+    decode_url = f"http://127.0.0.1:{launcher.worker_port + 1}"
+    (stopped,) = [
+        pid for pid in launcher.children() if f"--port {launcher.worker_port + 1} " in cmdline(pid)
+    ]
+    os.kill(stopped, signal.SIGSTOP)
+    line = launcher.wait_for_line("answered no health check", timeout=15)
+    assert line.endswith(
+        "decode-0 answered no health check for 2 s; restarting in 1 s (restart 1)\n"
+    )
+    wait_until_gone([stopped], timeout=5)
+    launcher.wait_for_line("decode-0 is healthy again (restart 1)", timeout=30)
+    deadline = time.monotonic() + 10  # the router's next health round takes it back
+    while httpx.get(router_url + "/health").json()["workers"]["decode"] != 1:
+        assert time.monotonic() < deadline, "the router did not take the worker back"
+        time.sleep(0.1)
+    body = {"model": "smollm2-135m-instruct", "prompt": "hello world", "max_tokens": 3}
+    answer = httpx.post(router_url + "/v1/completions", json=body).json()
+    assert answer["choices"][0]["text"] == " hello world hello"
+    assert httpx.get(decode_url + "/fake/stats").json()["requests"]  # the new decode worker's
+    assert launcher.process.poll() is None and len(launcher.children()) == 3
 
 
 @pytest.mark.slow  # 16 s; by default the supervisor's own test of the same line (fake_cluster)
@@ -466,6 +502,25 @@ def test_a_child_never_healthy_is_killed_and_counts_as_a_failed_start(fake_clust
         "failed to start 2 times in a row, the last time: was not healthy after 0.5 s"
         in (cluster.lines()[-1])
     )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_child_that_stops_answering_is_killed_and_restarted(fake_cluster):
+    """Healthy, then stopped: killed after unresponsive_timeout_s without an answer, and
+    restarted as after an exit (not a failed start: the cluster stays up)."""
+    cluster = fake_cluster({"both-0": "serve"}, ONE_BOTH, unresponsive_timeout_s=1.0)
+    cluster.wait_for_line("ready at")
+    (first,) = cluster.starts("both-0")
+    os.kill(first, signal.SIGSTOP)
+    cluster.wait_for_line("both-0 is healthy again (restart 1)")
+    assert "both-0 answered no health check for 1 s; restarting in 0.1 s (restart 1)" in (
+        cluster.lines()
+    )
+    assert not alive(first) and len(cluster.starts("both-0")) == 2
+    assert len(cluster.starts("router")) == 1
+    time.sleep(2.0)  # a child that goes on answering is left alone
+    assert len(cluster.starts("both-0")) == 2
+    assert cluster.finish() == 0
 
 
 @pytest.mark.parametrize(

@@ -252,7 +252,7 @@ def served(ray_nodes, tiny_checkpoints, tmp_path_factory):
     launcher = tandem_process(
         logs / "serve.log", "serve", "--config", str(cluster_file), "--ray", ray_nodes.address,
         "--port", str(port), "--worker-port-base", str(worker_ports),
-        "--kv-port-base", str(kv_ports),
+        "--kv-port-base", str(kv_ports), "--unresponsive-timeout", "10",
     )  # fmt: skip
     reference = start_worker(logs, "--role", "both", model=model, port=reference_port)
     log = logs / "serve.log"
@@ -370,6 +370,25 @@ def test_a_killed_worker_process_comes_back_under_its_actor(served, ray_nodes):
     os.kill(worker, signal.SIGKILL)
     restarting = "decode-1 exited with code -9; restarting in"
     wait_until(lambda: restarting in log.read_text(), 60, "the restart line", log)
+    back = lambda: times_healthy_again(log, "decode-1") > healthy_again  # noqa: E731
+    wait_until(back, 300, "decode-1 coming back", log)
+    in_pool = lambda: httpx.get(f"{url}/health").json()["workers"]["decode"] == 2  # noqa: E731
+    wait_until(in_pool, 60, "the router taking decode-1 back", log)
+    assert actors(ray_nodes.address)["decode-1"].pid == decode.pid
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_process_is_restarted_under_its_actor(served, ray_nodes):
+    """The worker process stops answering (SIGSTOP): after --unresponsive-timeout without an
+    answer to its health checks, the launcher has its actor kill it and start it again."""
+    url, log = served["url"], served["log"]
+    decode = actors(ray_nodes.address)["decode-1"]
+    worker, _ = hosted_worker(decode)
+    healthy_again = times_healthy_again(log, "decode-1")
+    os.kill(worker, signal.SIGSTOP)
+    restarting = "decode-1 answered no health check for 10 s; restarting in"
+    wait_until(lambda: restarting in log.read_text(), 60, "the restart line", log)
+    wait_until(lambda: not alive(worker), 10, "the stopped worker's end", log)
     back = lambda: times_healthy_again(log, "decode-1") > healthy_again  # noqa: E731
     wait_until(back, 300, "decode-1 coming back", log)
     in_pool = lambda: httpx.get(f"{url}/health").json()["workers"]["decode"] == 2  # noqa: E731

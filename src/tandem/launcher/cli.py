@@ -96,7 +96,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "file's values; the worker's defaults otherwise).",
     )
     from tandem.engine.cli import add_model_arguments
-    from tandem.http_options import add_keep_alive_argument, add_request_log_argument
+    from tandem.http_options import (
+        add_keep_alive_argument,
+        add_request_log_argument,
+        positive_seconds,
+    )
 
     add_model_arguments(parser, "default: the cluster file's, else smollm2-135m-instruct")
     parser.add_argument("--config", metavar="CLUSTER_YAML", help="cluster description file")
@@ -223,6 +227,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a process that exits (or is not healthy within --startup-timeout) before it was "
         "ever healthy since its start, N times in a row, stops the cluster; any other exit is "
         "restarted after a backoff of 1 s doubling to 30 s (default 3)",
+    )
+    parser.add_argument(
+        "--unresponsive-timeout",
+        type=positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="a process that was healthy and then answers no health check for this long (it "
+        "is stopped, deadlocked, swapped out) is killed and restarted as a crashed one is "
+        "(default 30)",
     )
     parser.add_argument(
         "--stop-timeout",
@@ -392,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
             startup_timeout_s=args.startup_timeout,
             stop_timeout_s=args.stop_timeout,
             max_start_failures=args.max_start_failures,
+            unresponsive_timeout_s=args.unresponsive_timeout,
         )
     env = child_environment(os.environ, cluster_token, args.api_key)
     supervisor = Supervisor(
@@ -399,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout,
         stop_timeout_s=args.stop_timeout,
         max_start_failures=args.max_start_failures,
+        unresponsive_timeout_s=args.unresponsive_timeout,
         env=env,
     )
     return supervisor.run()

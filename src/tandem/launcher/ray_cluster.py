@@ -246,6 +246,7 @@ def serve_on_ray(
     startup_timeout_s: float,
     stop_timeout_s: float,
     max_start_failures: int,
+    unresponsive_timeout_s: float,
     out: TextIO = sys.stdout,
 ) -> int:
     """Runs `spec` on Ray until Ctrl-C or SIGTERM (0) or a failed start (1); 2 when it cannot
@@ -282,6 +283,7 @@ def serve_on_ray(
             secrets,
             startup_timeout_s=startup_timeout_s,
             max_start_failures=max_start_failures,
+            unresponsive_timeout_s=unresponsive_timeout_s,
             out=out,
         )
         return supervisor.supervise()

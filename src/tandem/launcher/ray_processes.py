@@ -13,8 +13,10 @@ dies with the actor however the actor ends (`ray.kill`, a crash, the launcher go
 `tandem.launcher.supervisor` does on one host: a process that exits, or whose actor died (Ray
 restarts the actor in its bundle, and a call in flight then runs on the new one, which has no
 process), is launched again after a backoff (1 s doubling to 30 s, from 1 s again after
-`backoff_reset_s` healthy); `max_start_failures` failed starts in a row end the cluster. It
-prints `ready at URL/v1` once every process is healthy and the router's pool holds the workers.
+`backoff_reset_s` healthy), and so is one that answered no health check for
+`unresponsive_timeout_s` after it was healthy (stopped first); `max_start_failures` failed
+starts in a row end the cluster. It prints `ready at URL/v1` once every process is healthy and
+the router's pool holds the workers.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import httpx
 from tandem.kv.data import installed
 from tandem.launcher.plan import ProcessPlan, expected_router_counts
 from tandem.launcher.ray_cluster import HostInfo, placed_argv, placed_url
-from tandem.launcher.supervisor import RestartPolicy, _kill_group
+from tandem.launcher.supervisor import LIVENESS_INTERVAL_S, RestartPolicy, _kill_group
 from tandem.lifetime import die_with_parent
 
 HEALTH_TIMEOUT_S = 1.0
@@ -134,6 +136,8 @@ class RayChild:
     running: bool = False
     started_at: float = 0.0
     healthy_since: float | None = None
+    last_answer: float = 0.0  # when it last answered a health check, once healthy
+    checked_at: float = 0.0  # when its health was last asked for, once healthy
     restart_at: float = 0.0
     restarts: int = 0
     failed_starts: int = 0  # in a row
@@ -153,6 +157,7 @@ class RaySupervisor:
         initial_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         backoff_reset_s: float = 60.0,
+        unresponsive_timeout_s: float = 30.0,
         out: TextIO = sys.stdout,
     ) -> None:
         self.children = [
@@ -163,7 +168,11 @@ class RaySupervisor:
         self.secrets = secrets
         self.startup_timeout_s = startup_timeout_s
         self.restart_policy = RestartPolicy(
-            max_start_failures, initial_backoff_s, max_backoff_s, backoff_reset_s
+            max_start_failures,
+            initial_backoff_s,
+            max_backoff_s,
+            backoff_reset_s,
+            unresponsive_timeout_s,
         )
         self.out = out
         self.router = next(child for child in self.children if child.plan.role == "router")
@@ -176,8 +185,10 @@ class RaySupervisor:
     def _call(self, child: RayChild) -> None:
         """Puts the child's next call to its actor in flight, if one is due."""
         now = time.monotonic()
-        if child.running:  # health until healthy, the router's pool until ready
+        if child.running:  # health until healthy, the router's pool until ready, then liveness
             check_health = child.healthy_since is None or (child is self.router and not self.ready)
+            if not check_health and now - child.checked_at >= LIVENESS_INTERVAL_S:
+                check_health, child.checked_at = True, now
             child.pending, child.pending_call = child.actor.status.remote(check_health), "status"
         elif now >= child.restart_at:
             launch = child.actor.launch.remote(child.plan, self.router_url, self.secrets)
@@ -229,6 +240,10 @@ class RaySupervisor:
         if child is self.router and not self.ready:
             child.router_health = answer
         if child.healthy_since is not None:
+            answered = self._healthy(child, answer)
+            if "health" in answer and self.restart_policy.unresponsive(child, answered, now):
+                child.actor.stop.remote(0.0)
+                return self._ended(child, self.restart_policy.unresponsive_why())
             return None
         if self._healthy(child, answer):
             if self.restart_policy.healthy(child, now):

@@ -11,13 +11,13 @@ Supervision. A child is *healthy* once its `GET /health` answers (a worker 200; 
 or 503, which it answers while no decode worker is in its pool). A child that exits is restarted
 with the same command line, hence on the same ports, after a backoff that starts at
 `initial_backoff_s` and doubles up to `max_backoff_s`; it starts again from `initial_backoff_s`
-once the child had stayed healthy for `backoff_reset_s` before it exited. Before restarting, the
-dead child's process group is SIGKILLed, so no grandchild (an engine core) keeps its ports or
-memory. Meanwhile the router takes the worker out of its pool (failed health checks, refused
-legs) and back in once healthy. A *failed start* is a start that ends before the child was ever
-healthy: it exited, or was not healthy within `startup_timeout_s` (then it is killed).
-`max_start_failures` failed starts in a row of one child stop the whole cluster, and the launcher
-exits 1 naming it.
+once the child had stayed healthy for `backoff_reset_s` before it exited; so is a child that was
+healthy and then answers no health check (one every `LIVENESS_INTERVAL_S`) for
+`unresponsive_timeout_s`. Before restarting, the child's process group is SIGKILLed, so no
+grandchild (an engine core) keeps its ports or memory. Meanwhile the router takes the worker out
+of its pool and back in once healthy. A *failed start* ends before the child was ever healthy: it
+exited, or was not healthy within `startup_timeout_s` (then it is killed). `max_start_failures`
+failed starts in a row of one child stop the whole cluster; the launcher exits 1 naming it.
 
 Readiness: the launcher prints `ready at URL/v1` once, when every child is healthy and the
 router's pool holds at least the workers it started, by role (workers registered by hand in the
@@ -43,6 +43,7 @@ from tandem.launcher.plan import ProcessPlan, expected_router_counts
 from tandem.lifetime import die_with_parent
 
 POLL_INTERVAL_S = 0.2
+LIVENESS_INTERVAL_S = 1.0  # between two health checks of a child that was healthy
 
 
 def _die_with_parent_hook() -> Callable[[], None] | None:
@@ -67,6 +68,7 @@ class RestartPolicy:
     initial_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     backoff_reset_s: float = 60.0
+    unresponsive_timeout_s: float = 30.0
 
     def schedule(self, child: Any, now: float) -> float | None:
         """Schedules the restart of `child` (its backoff_s, healthy_since, failed_starts,
@@ -87,9 +89,20 @@ class RestartPolicy:
     def healthy(self, child: Any, now: float) -> bool:
         """Records that `child` is healthy since `now` (its failed starts in a row end); True
         when it had been restarted before, which is worth saying."""
-        child.healthy_since = now
+        child.healthy_since = child.last_answer = now
         child.failed_starts = 0
         return child.restarts > 0
+
+    def unresponsive(self, child: Any, answered: bool, now: float) -> bool:
+        """Records a health check of `child` (healthy since its start, its last_answer) at
+        `now`; True when it has answered none for `unresponsive_timeout_s`: it is to be killed
+        and restarted."""
+        if answered:
+            child.last_answer = now
+        return now - child.last_answer > self.unresponsive_timeout_s
+
+    def unresponsive_why(self) -> str:
+        return f"answered no health check for {self.unresponsive_timeout_s:g} s"
 
 
 @dataclass
@@ -101,6 +114,8 @@ class Child:
     process: subprocess.Popen[bytes] | None = None  # None while waiting to restart
     started_at: float = 0.0
     healthy_since: float | None = None  # None until healthy since its last start
+    last_answer: float = 0.0  # when it last answered a health check, once healthy
+    checked_at: float = 0.0  # when it was last checked, once healthy
     restart_at: float = 0.0
     restarts: int = 0
     failed_starts: int = 0  # in a row
@@ -117,13 +132,18 @@ class Supervisor:
         initial_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         backoff_reset_s: float = 60.0,
+        unresponsive_timeout_s: float = 30.0,
         env: Mapping[str, str] | None = None,
         out: TextIO = sys.stdout,
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.restart_policy = RestartPolicy(
-            max_start_failures, initial_backoff_s, max_backoff_s, backoff_reset_s
+            max_start_failures,
+            initial_backoff_s,
+            max_backoff_s,
+            backoff_reset_s,
+            unresponsive_timeout_s,
         )
         self.env = dict(env) if env is not None else None
         self.out = out
@@ -188,6 +208,11 @@ class Supervisor:
         if code is not None:
             return self._ended(child, f"exited with code {code}")
         if child.healthy_since is not None:
+            if now - child.checked_at < LIVENESS_INTERVAL_S:
+                return None
+            child.checked_at = now
+            if self.restart_policy.unresponsive(child, self._answers(client, child), now):
+                return self._ended(child, self.restart_policy.unresponsive_why())
             return None
         if self._answers(client, child):
             if self.restart_policy.healthy(child, now):
