@@ -400,7 +400,8 @@ def test_vllm_router_gives_the_both_answers(client, trio, vllm_router, mode: str
 HAIKU = [{"role": "user", "content": "Write a haiku about the sea."}]
 ONCE = {"prompt": "Once upon a time", "temperature": 0.0}
 # Bodies whose answers hold more than tokens and text: each token's logprobs and text_offset,
-# the stop that ended the output, an echoed prompt; through the router, every field as `both`.
+# the stop that ended the output, an echoed prompt or message; through the router, every field
+# as `both`.
 FIELD_CASES = {
     "logprobs": ("/v1/completions", dict(ONCE, max_tokens=6, logprobs=2)),
     "logprobs, a stop the first token begins": (
@@ -418,6 +419,17 @@ FIELD_CASES = {
         },
     ),  # fmt: skip
     "echo": ("/v1/completions", dict(ONCE, max_tokens=3, echo=True)),
+    "chat echo": (
+        "/v1/chat/completions",
+        {
+            "messages": [*HAIKU, {"role": "assistant", "content": "Waves"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "echo": True,
+            "max_tokens": 6,
+            "temperature": 0.0,
+        },
+    ),
     "stopped on the first token": ("/v1/completions", dict(ONCE, max_tokens=8, stop=[","])),
     "chat stopped on the first token": (
         "/v1/chat/completions",

@@ -213,6 +213,33 @@ def test_chat_can_continue_the_assistants_last_message(worker, client, llm):
     assert response.status_code == 400 and "continue_final_message" in response.text
 
 
+def test_chat_echo_opens_the_answer_with_the_assistants_last_message(worker, client):
+    """vLLM's chat echo: the content opens with the last message's text when it is the
+    assistant's (a chunk of its own after the role's when streamed); after a user's message
+    the answer is as without echo."""
+    opening = "The capital of France is"
+    continued = [*FRANCE, {"role": "assistant", "content": opening}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    for messages, extra, echoed in ((continued, options, opening), (FRANCE, {}, "")):
+        request = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 6}
+        plain = client.chat.completions.create(**request, extra_body=extra)
+        content = plain.choices[0].message.content
+        answer = client.chat.completions.create(**request, extra_body=extra | {"echo": True})
+        assert answer.choices[0].message.content == echoed + content
+        counts = ("prompt_tokens", "completion_tokens")  # the second's prompt is cached
+        assert [getattr(answer.usage, c) for c in counts] == [
+            getattr(plain.usage, c) for c in counts
+        ]
+        stream = client.chat.completions.create(
+            **request, stream=True, extra_body=extra | {"echo": True}
+        )
+        deltas = [chunk.choices[0].delta for chunk in stream]
+        assert deltas[0].role == "assistant" and deltas[0].content == ""
+        if echoed:
+            assert deltas[1].content == echoed
+        assert "".join(delta.content or "" for delta in deltas) == echoed + content
+
+
 @pytest.mark.parametrize(
     "path, body, status, param",
     [

@@ -49,14 +49,14 @@ def is_single_prompt(endpoint: str, body: dict[str, Any]) -> bool:
 def needs_one_worker(endpoint: str, body: dict[str, Any]) -> bool:
     """Whether one worker must answer the request whole: it wants its prompt's logprobs
     (vLLM's prompt_logprobs, or echo with logprobs; only the worker that computes the prompt
-    has them), no token at all (max_tokens 0: echo scores the prompt only), its prompt echoed
-    (the answer's text and stream start with it), or tool calls (made of the whole output,
-    where the PD flow streams the first token's text)."""
+    has them), no token at all (max_tokens 0: echo scores the prompt only), its prompt (or a
+    chat's last message) echoed (the answer's text and stream start with it), or tool calls
+    (made of the whole output, where the PD flow streams the first token's text)."""
     if body.get("prompt_logprobs") is not None or body.get("max_tokens") == 0:
         return True
-    if endpoint == "chat":
-        return bool(body.get("tools")) and body.get("tool_choice") != "none"
-    return bool(body.get("echo"))
+    if body.get("echo"):
+        return True
+    return endpoint == "chat" and bool(body.get("tools")) and body.get("tool_choice") != "none"
 
 
 def can_disaggregate(endpoint: str, body: dict[str, Any]) -> bool:

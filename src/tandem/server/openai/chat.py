@@ -4,7 +4,9 @@ Besides text, a chat answer may hold reasoning (split off by the worker's reason
 `reasoning` and its older name `reasoning_content`) and tool calls: forced ones (tool_choice
 "required" or a named function: the output is their JSON, sent whole at the end) or ones the
 worker's tool call parser finds (tool_choice "auto": streamed as the model writes them, text
-that may begin a call held back). The finish reason is "tool_calls" when calls answer.
+that may begin a call held back). The finish reason is "tool_calls" when calls answer. With
+`echo`, each choice's content opens with the assistant's last message (vLLM's; a chunk of its
+own when streamed).
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class ChatWriter(ResponseWriter):
 
     def full_choice(self, index: int, choice: Choice) -> dict[str, Any]:
         body, finish_reason = self.answer(choice)
+        if echoed := self.body.echoed_text():
+            body["content"] = echoed + (body["content"] or "")
         return {
             "index": index,
             "message": {"role": "assistant", **body},
@@ -144,6 +148,13 @@ class ChatWriter(ResponseWriter):
                 for i in range(self.n)
             ]
         )
+        if echoed := self.body.echoed_text():
+            yield self.chunk(
+                [
+                    {"index": i, "delta": {"content": echoed}, "finish_reason": None}
+                    for i in range(self.n)
+                ]
+            )
 
     def delta_choice(
         self, index: int, delta: SequenceDelta, choice: Choice

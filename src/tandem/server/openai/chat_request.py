@@ -126,6 +126,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # vLLM's: the answer opens with the last message's text when that message is the
+    # assistant's (the one continue_final_message continues)
+    echo: bool = False
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self) -> ChatCompletionRequest:
@@ -153,6 +156,13 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                     f"the tools ({', '.join(names)})"
                 )
         return self
+
+    def echoed_text(self) -> str:
+        """What `echo` opens each choice's content with: the last message's text when it is
+        the assistant's, else nothing."""
+        if not self.echo or not self.messages or self.messages[-1].role != "assistant":
+            return ""
+        return self.messages[-1].as_template_input()["content"]
 
     def auto_tool_choice(self) -> bool:
         """Whether the model chooses whether to call tools (tool_choice "auto")."""
