@@ -244,6 +244,7 @@ def test_outputs_follow_their_schema_or_regex(llm, temperature):
         ({"regex": "a", "choice": ["b"]}, "exactly one of"),
         ({"regex": "("}, "the regex for structured outputs is not valid"),
         ({"json": {"type": "nonsense"}}, "the json for structured outputs is not valid"),
+        ({"json": False}, "Unsatisfiable schema: schema is false"),  # a schema, not none
         ({"json": "{not json"}, "the JSON schema is not valid JSON"),
         ({"choice": []}, "choice must be a list of non-empty strings"),
         ({"grammar": "start: ??"}, "the grammar for structured outputs is not valid"),

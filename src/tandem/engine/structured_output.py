@@ -67,6 +67,8 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if self.json is False:  # a schema too (one that nothing matches), not an absent one
+            given.insert(0, "json")
         if len(given) != 1:
             raise ValueError(
                 "structured outputs take exactly one of json, regex, choice, grammar or "
