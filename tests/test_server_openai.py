@@ -1143,6 +1143,7 @@ COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
 TRUNCATE = "truncate_prompt_tokens"
 
+NO_TEXT_REGEX = r"[^\x00-\U0010FFFF]"  # a character class of no character
 BAD_REQUESTS = [
     # (id, endpoint, JSON body or raw bytes, status, expected `param` or None)
     ("malformed-json", COMPLETIONS, b'{"prompt": "hi", "max_tokens": ', 400, None),
@@ -1320,6 +1321,20 @@ BAD_REQUESTS = [
         400,
         "kv_transfer_params",
     ),
+    (  # a regex no text matches: refused by the engine as it admits it, before any token
+        "regex-matching-nothing",
+        COMPLETIONS,
+        {"prompt": "hi", "structured_outputs": {"regex": NO_TEXT_REGEX}},
+        400,
+        None,
+    ),
+    (
+        "grammar-matching-nothing-streamed",
+        CHAT,
+        {"messages": HI, "stream": True, "guided_grammar": f"start: A\nA: /{NO_TEXT_REGEX}/"},
+        400,
+        None,
+    ),
     ("unknown-model", COMPLETIONS, {"prompt": "hi", "model": "gpt-5"}, 404, "model"),
     ("unknown-model-chat", CHAT, {"messages": HI, "model": "gpt-5"}, 404, "model"),
 ]
@@ -1343,6 +1358,18 @@ def test_bad_input_gets_a_4xx_error_object(worker, endpoint, body, status, param
     assert error["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
     if param is not None:
         assert error["param"] == param
+
+
+def test_a_constraint_matching_nothing_says_so_and_the_worker_keeps_serving(worker, client):
+    """It was answered 200 with empty text (the grammar left only the end of text)."""
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(
+            model=MODEL, prompt="hi", extra_body={"structured_outputs": {"regex": NO_TEXT_REGEX}}
+        )
+    assert "the regex for structured outputs matches no text this model can write" in (
+        bad.value.message
+    )
+    assert_serving(worker)
 
 
 def test_openai_client_raises_on_4xx_and_the_server_keeps_serving(worker, client):

@@ -17,6 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.engine.structured_output import (
     GrammarBackend,
     StructuredOutput,
+    UnsatisfiableConstraint,
     apply_grammar_bitmasks,
     grammar_bitmasks,
     tokenizer_json,
@@ -253,3 +254,15 @@ def test_outputs_follow_their_schema_or_regex(llm, temperature):
 def test_unusable_constraints_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutput(**fields)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"regex": r"[^\x00-\U0010FFFF]"}, {"grammar": "start: A\nA: /[^\\x00-\\U0010FFFF]/"}],
+)
+def test_a_constraint_no_text_matches_is_refused_as_the_engine_takes_it(grammars, fields):
+    """Valid for llguidance's check, but no token can start it: the engine's matcher refuses
+    it (the worker's 400) where its first mask would have allowed the end of text alone."""
+    with pytest.raises(UnsatisfiableConstraint, match="matches no text this model can write"):
+        grammars.matcher(StructuredOutput(**fields), [])
+    assert grammars.matcher(StructuredOutput(regex="[ab]+"), []).error is None

@@ -38,7 +38,7 @@ from tandem.engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOut
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.engine.step_costs import DecodeStepCosts
-from tandem.engine.structured_output import GrammarBackend
+from tandem.engine.structured_output import GrammarBackend, UnsatisfiableConstraint
 from tandem.executor.base import Executor, ExecutorFailedError, make_executor
 from tandem.kv.connector.base import (
     ConnectorFactory,
@@ -174,6 +174,16 @@ class EngineCore:
         for request in requests:
             try:
                 self.add_request(request)
+            except UnsatisfiableConstraint as exc:  # the client's to change: a 400
+                failed.append(
+                    EngineCoreOutput(
+                        request.request_id,
+                        [],
+                        finish_reason="error",
+                        error=str(exc),
+                        error_status=400,
+                    )
+                )
             except Exception as exc:
                 logger.error("request %s was not admitted", request.request_id, exc_info=exc)
                 error = f"the engine could not admit this request ({type(exc).__name__}: {exc})"

@@ -107,6 +107,7 @@ class EngineCoreOutput:
     # With a request's first output, when it asked for them: one entry per prompt token (None
     # for the first, which nothing predicts).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error_status: int = 500  # an error's HTTP status: 400 when the request itself cannot be served
 
     @property
     def finished(self) -> bool:

@@ -273,7 +273,8 @@ class SequenceDelta:
     kv_transfer_params: KVTransferParams | None = None  # a prefill leg's answer (its lease)
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first delta
-    # an error's HTTP status: 500 (a bug) unless the server cannot serve now (503: retry)
+    # an error's HTTP status: 500 (a bug) unless the server cannot serve now (503: retry) or
+    # the request cannot be served (400: its structured output matches nothing)
     error_status: int = 500
 
 
@@ -351,6 +352,7 @@ class OutputProcessor:
                     kv_transfer_params,
                     output.error,
                     output.prompt_logprobs,
+                    output.error_status,
                 )
             )
             if finished:

@@ -5,9 +5,10 @@ compiles the constraint to an llguidance grammar and checks it there, so a bad s
 the client's error. In the engine, `GrammarBackend` gives each such request a `GrammarMatcher`,
 which follows the tokens the request outputs (a PD decode worker's matcher starts by following
 the first token its prefill worker sampled) and, before each of its sampling steps, the set of
-tokens the grammar allows next. A request ends ("stop") as soon as its grammar is complete. A
-matcher may wait for a token (the end of a reasoning model's reasoning) before it holds anything:
-the outputs up to that token are free, and its grammar starts after it.
+tokens the grammar allows next (one that allows no token from its start, which no text matches,
+is refused there: `UnsatisfiableConstraint`, a 400). A request ends ("stop") as soon as its
+grammar is complete. A matcher may wait for a token (the end of a reasoning model's reasoning)
+before it holds anything: the outputs up to that token are free, and its grammar starts after it.
 
 The matchers stay with the scheduler: it computes the allowed tokens of each step's sampled rows
 as bitmasks (`grammar_bitmasks`), which travel in the `SchedulerOutput` as plain bytes; the
@@ -66,9 +67,7 @@ class StructuredOutput:
     compiled: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
-        if self.json is False:  # a schema too (one that nothing matches), not an absent one
-            given.insert(0, "json")
+        given = self._given()
         if len(given) != 1:
             raise ValueError(
                 "structured outputs take exactly one of json, regex, choice, grammar or "
@@ -76,6 +75,16 @@ class StructuredOutput:
             )
         if self.compiled is None:
             object.__setattr__(self, "compiled", self._compile(given[0]))
+
+    def _given(self) -> list[str]:
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if self.json is False:  # a schema too (one that nothing matches), not an absent one
+            given.insert(0, "json")
+        return given
+
+    @property
+    def kind(self) -> str:
+        return self._given()[0]
 
     def _compile(self, kind: str) -> str:
         import llguidance
@@ -232,6 +241,10 @@ class GrammarMatcher:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
 
+class UnsatisfiableConstraint(ValueError):
+    """A structured output whose grammar no output of the model's tokens can follow."""
+
+
 class GrammarBackend:
     """Builds the engine's matchers from the model's tokenizer (given by the front end, which
     loads it anyway, as the tokenizers library's JSON)."""
@@ -265,6 +278,12 @@ class GrammarBackend:
         matcher = llguidance.LLMatcher(
             self._tokenizer, spec.compiled, log_level=0, limits=parser_limits()
         )
+        matcher.compute_bitmask()  # the first mask: an empty language shows only here
+        if matcher.is_error():  # before any token: the grammar leaves no token to write
+            raise UnsatisfiableConstraint(
+                f"the {spec.kind} for structured outputs matches no text this model can write: "
+                "send one that some text matches"
+            )
         return GrammarMatcher(matcher, self.vocab_size, output_token_ids, after)
 
 
