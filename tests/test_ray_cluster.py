@@ -360,35 +360,27 @@ def test_a_decode_workers_actor_killed_mid_stream(served, ray_nodes):
 
 
 @pytest.mark.slow
-def test_a_killed_worker_process_comes_back_under_its_actor(served, ray_nodes):
-    """The worker process dies, not its actor (as the OOM killer would have it): the launcher
-    starts it again under the same actor, and the router takes it back."""
+@pytest.mark.parametrize(
+    ("signum", "why"),
+    [
+        (signal.SIGKILL, "exited with code -9"),  # as the OOM killer would have it
+        (signal.SIGSTOP, "answered no health check for 10 s"),  # --unresponsive-timeout
+    ],
+    ids=["killed", "stopped"],
+)
+def test_a_worker_process_killed_or_stopped_comes_back_under_its_actor(
+    served, ray_nodes, signum, why
+):
+    """The worker process dies, or stops answering, not its actor: the launcher has the actor
+    end it and start it again, and the router takes it back."""
     url, log = served["url"], served["log"]
     decode = actors(ray_nodes.address)["decode-1"]
     worker, _ = hosted_worker(decode)
     healthy_again = times_healthy_again(log, "decode-1")
-    os.kill(worker, signal.SIGKILL)
-    restarting = "decode-1 exited with code -9; restarting in"
+    os.kill(worker, signum)
+    restarting = f"decode-1 {why}; restarting in"
     wait_until(lambda: restarting in log.read_text(), 60, "the restart line", log)
-    back = lambda: times_healthy_again(log, "decode-1") > healthy_again  # noqa: E731
-    wait_until(back, 300, "decode-1 coming back", log)
-    in_pool = lambda: httpx.get(f"{url}/health").json()["workers"]["decode"] == 2  # noqa: E731
-    wait_until(in_pool, 60, "the router taking decode-1 back", log)
-    assert actors(ray_nodes.address)["decode-1"].pid == decode.pid
-
-
-@pytest.mark.slow
-def test_a_stopped_worker_process_is_restarted_under_its_actor(served, ray_nodes):
-    """The worker process stops answering (SIGSTOP): after --unresponsive-timeout without an
-    answer to its health checks, the launcher has its actor kill it and start it again."""
-    url, log = served["url"], served["log"]
-    decode = actors(ray_nodes.address)["decode-1"]
-    worker, _ = hosted_worker(decode)
-    healthy_again = times_healthy_again(log, "decode-1")
-    os.kill(worker, signal.SIGSTOP)
-    restarting = "decode-1 answered no health check for 10 s; restarting in"
-    wait_until(lambda: restarting in log.read_text(), 60, "the restart line", log)
-    wait_until(lambda: not alive(worker), 10, "the stopped worker's end", log)
+    wait_until(lambda: not alive(worker), 10, "the old worker's end", log)
     back = lambda: times_healthy_again(log, "decode-1") > healthy_again  # noqa: E731
     wait_until(back, 300, "decode-1 coming back", log)
     in_pool = lambda: httpx.get(f"{url}/health").json()["workers"]["decode"] == 2  # noqa: E731

@@ -35,10 +35,14 @@ import httpx
 from tandem.kv.data import installed
 from tandem.launcher.plan import ProcessPlan, expected_router_counts
 from tandem.launcher.ray_cluster import HostInfo, placed_argv, placed_url
-from tandem.launcher.supervisor import LIVENESS_INTERVAL_S, RestartPolicy, _kill_group
+from tandem.launcher.supervisor import (
+    LIVENESS_CHECK_TIMEOUT_S,
+    LIVENESS_INTERVAL_S,
+    RestartPolicy,
+    _kill_group,
+)
 from tandem.lifetime import die_with_parent
 
-HEALTH_TIMEOUT_S = 1.0
 POLL_INTERVAL_S = 0.5
 
 
@@ -97,7 +101,7 @@ class ProcessHost:
         if not check_health:
             return answer
         try:
-            response = httpx.get(self.url + "/health", timeout=HEALTH_TIMEOUT_S)
+            response = httpx.get(self.url + "/health", timeout=LIVENESS_CHECK_TIMEOUT_S)
         except httpx.HTTPError:
             return answer | {"health": None}
         try:

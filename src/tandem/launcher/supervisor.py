@@ -44,6 +44,8 @@ from tandem.lifetime import die_with_parent
 
 POLL_INTERVAL_S = 0.2
 LIVENESS_INTERVAL_S = 1.0  # between two health checks of a child that was healthy
+# How long one such check waits: a router streaming to many clients may answer late, not never.
+LIVENESS_CHECK_TIMEOUT_S = 2.0
 
 
 def _die_with_parent_hook() -> Callable[[], None] | None:
@@ -174,9 +176,9 @@ class Supervisor:
         child.started_at = time.monotonic()
         child.healthy_since = None
 
-    def _answers(self, client: httpx.Client, child: Child) -> bool:
+    def _answers(self, client: httpx.Client, child: Child, timeout_s: float = 0.5) -> bool:
         try:
-            status = client.get(child.plan.url + "/health").status_code
+            status = client.get(child.plan.url + "/health", timeout=timeout_s).status_code
         except httpx.HTTPError:
             return False
         return status == 200 or (child.plan.role == "router" and status == 503)
@@ -211,7 +213,8 @@ class Supervisor:
             if now - child.checked_at < LIVENESS_INTERVAL_S:
                 return None
             child.checked_at = now
-            if self.restart_policy.unresponsive(child, self._answers(client, child), now):
+            answered = self._answers(client, child, LIVENESS_CHECK_TIMEOUT_S)
+            if self.restart_policy.unresponsive(child, answered, now):
                 return self._ended(child, self.restart_policy.unresponsive_why())
             return None
         if self._answers(client, child):
