@@ -250,6 +250,7 @@ def test_a_crashed_worker_is_restarted_and_the_cluster_stays_up(launch):
     wait_until_gone(children, timeout=5)
 
 
+@pytest.mark.slow  # 11 s; by default the supervisor's own test of the same restart (fake_cluster)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_stopped_worker_is_killed_and_restarted(launch):
     """A worker that stops answering (SIGSTOP, as a deadlocked or swapped-out one) is killed
