@@ -1,5 +1,6 @@
-"""A decode worker killed while requests stream through `tandem router`, and a prefill worker
-killed while it prefills, all in real processes.
+"""A decode worker killed while requests stream through `tandem router`, a prefill worker
+killed while it prefills, and the router stopped while it answers, in real processes; and how a
+response the router's server cuts at its shutdown deadline ends.
 
 The workers are fake (tests/fake_worker.py: the completion of "a b" is " a b a b ...");
 the router is the real command.
@@ -7,6 +8,7 @@ the router is the real command.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,6 +23,7 @@ import httpx
 import pytest
 
 import tandem
+from tandem.router.relay import JSON_HEAD, SSE_HEAD, RelayResponse, ResponseHead
 from worker_fixtures import free_port
 
 SRC = str(Path(tandem.__file__).resolve().parents[1])
@@ -65,12 +68,14 @@ def both_workers_healthy(client: httpx.Client, router_url: str) -> bool:
     return workers["prefill"] == 1 and workers["decode"] == 1
 
 
-def spawn_router(spawn, router_port: int, prefill_port: int, decode_port: int) -> str:
-    """`tandem router` over one prefill and one decode worker; its URL."""
-    spawn("router", "tandem.cli", "router", "--port", str(router_port), "--prefill",
-          f"http://127.0.0.1:{prefill_port}", "--decode", f"http://127.0.0.1:{decode_port}",
-          "--health-interval", "0.2")  # fmt: skip
-    return f"http://127.0.0.1:{router_port}"
+def spawn_router(
+    spawn, router_port: int, prefill_port: int, decode_port: int
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """`tandem router` over one prefill and one decode worker: its URL and process."""
+    router = spawn("router", "tandem.cli", "router", "--port", str(router_port), "--prefill",
+                   f"http://127.0.0.1:{prefill_port}", "--decode",
+                   f"http://127.0.0.1:{decode_port}", "--health-interval", "0.2")  # fmt: skip
+    return f"http://127.0.0.1:{router_port}", router
 
 
 def kill_and_join(process: subprocess.Popen[bytes], clients: list[threading.Thread]) -> None:
@@ -89,7 +94,7 @@ def test_killing_the_decode_worker_mid_stream(spawn):
     spawn("prefill", *fake, "--role", "prefill", "--port", str(prefill_port))
     decode_args = (*fake, "--role", "decode", "--port", str(decode_port), "--token-delay", "0.05")
     decode = spawn("decode", *decode_args)
-    router_url = spawn_router(spawn, router_port, prefill_port, decode_port)
+    router_url, _ = spawn_router(spawn, router_port, prefill_port, decode_port)
     client = httpx.Client(timeout=10)
     # Both workers in the pool, not just the decode worker (/health is 200 with that alone, and
     # the streams would then run on it as plain requests).
@@ -147,7 +152,7 @@ def test_a_prefill_worker_killed_mid_prefill_leaves_the_request_to_the_decode_wo
     prefill_args = (*fake, "--role", "prefill", "--port", str(prefill_port))
     prefill = spawn("prefill", *prefill_args, "--prefill-delay", "30")
     spawn("decode", *fake, "--role", "decode", "--port", str(decode_port))
-    router_url = spawn_router(spawn, router_port, prefill_port, decode_port)
+    router_url, _ = spawn_router(spawn, router_port, prefill_port, decode_port)
     client = httpx.Client(timeout=20)
     wait_for(lambda: both_workers_healthy(client, router_url), timeout=20)
 
@@ -182,4 +187,101 @@ def test_a_prefill_worker_killed_mid_prefill_leaves_the_request_to_the_decode_wo
     metrics = client.get(router_url + "/metrics").text
     counted = 'tandem_router_pd_decisions_total{decision="whole",reason="prefill_failed"} 2.0'
     assert counted in metrics
+    client.close()
+
+
+# ---- a response cut by the server's shutdown deadline ----------------------------------------
+
+
+def cut_response(head: ResponseHead | None) -> list[dict]:
+    """What RelayResponse sends when its task is cancelled (uvicorn's graceful-shutdown
+    deadline) while its flow waits: after `head` and one chunk, or before any head (None)."""
+    closed = []
+
+    async def flow():
+        try:
+            if head is not None:
+                yield head
+                yield b"data: {}\n\n" if head is SSE_HEAD else b'{"partial'
+            await asyncio.Event().wait()
+            yield b"never"
+        finally:
+            closed.append(True)
+
+    async def run() -> list[dict]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:  # the client stays
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        task = asyncio.create_task(RelayResponse(flow())({}, receive, send))
+        await asyncio.sleep(0.05)
+        expected = 0 if head is None else 2
+        assert len(sent) == expected, sent
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return sent[expected:]
+
+    ending = asyncio.run(run())
+    assert closed == [True]  # the flow's cleanup ran
+    return ending
+
+
+def test_a_stream_cut_at_shutdown_ends_with_an_error_event():
+    (last,) = cut_response(SSE_HEAD)
+    assert last["more_body"] is False
+    error, done = last["body"].split(b"\n\n")[:2]
+    assert done == b"data: [DONE]"
+    assert json.loads(error.removeprefix(b"data: "))["error"]["code"] == "router_shutting_down"
+
+
+def test_a_request_cut_before_its_answer_is_a_503():
+    start, body = cut_response(None)
+    assert start["type"] == "http.response.start" and start["status"] == 503
+    assert body["more_body"] is False
+    error = json.loads(body["body"])["error"]
+    assert error["code"] == "router_shutting_down" and "retry" in error["message"]
+
+
+def test_a_cut_json_answer_gets_nothing_more():
+    assert cut_response(JSON_HEAD) == []  # a half-sent JSON body cannot be ended well
+
+
+@pytest.mark.slow  # 12 s: the router's 10 s graceful shutdown; the cut's ends are tested above
+def test_streams_still_running_when_the_router_stops_end_with_an_error_event(spawn):
+    """SIGTERM to `tandem router` while a stream runs (a slow decode): after the 10 s graceful
+    shutdown, the stream ends with the error event and [DONE], and the router exits."""
+    prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
+    fake = ("fake_worker", "--host", "127.0.0.1")
+    spawn("prefill", *fake, "--role", "prefill", "--port", str(prefill_port))
+    decode_args = (*fake, "--role", "decode", "--port", str(decode_port), "--token-delay", "0.05")
+    spawn("decode", *decode_args)
+    router_url, router = spawn_router(spawn, router_port, prefill_port, decode_port)
+    client = httpx.Client(timeout=30)
+    wait_for(lambda: both_workers_healthy(client, router_url), timeout=20)
+    body = {"prompt": "a b", "max_tokens": 1000, "stream": True}
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read_stream() -> None:
+        with client.stream("POST", router_url + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                started.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert started.wait(timeout=10)
+    router.send_signal(signal.SIGTERM)
+    reader.join(timeout=20)
+    assert not reader.is_alive()
+    payloads = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    assert json.loads(payloads[-2])["error"]["code"] == "router_shutting_down"
+    router.wait(timeout=10)
     client.close()
