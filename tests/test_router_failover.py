@@ -223,8 +223,7 @@ def cut_response(head: ResponseHead | None) -> list[dict]:
         expected = 0 if head is None else 2
         assert len(sent) == expected, sent
         task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await task  # ended, not failed: the server logs no error
         return sent[expected:]
 
     ending = asyncio.run(run())

@@ -125,9 +125,8 @@ class RelayResponse(Response):
         cut = False
         try:
             await asyncio.wait((stream, disconnect), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # the server's shutdown deadline, the one canceller
-            cut = True
-            raise
+        except asyncio.CancelledError:  # the server's shutdown deadline, the one canceller:
+            cut = True  # the answer is ended below, and so is the task (no error to log)
         finally:
             client_left = disconnect.done()
             for task in (stream, disconnect):
