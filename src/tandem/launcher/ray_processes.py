@@ -40,6 +40,7 @@ from tandem.launcher.supervisor import (
     LIVENESS_INTERVAL_S,
     RestartPolicy,
     _kill_group,
+    is_healthy,
 )
 from tandem.lifetime import die_with_parent
 
@@ -214,8 +215,7 @@ class RaySupervisor:
         return None
 
     def _healthy(self, child: RayChild, status: dict[str, Any]) -> bool:
-        health = status.get("health")
-        return health == 200 or (child.plan.role == "router" and health == 503)
+        return is_healthy(child.plan.role, status.get("health"))
 
     def _settle(self, child: RayChild) -> str | None:
         """Takes the answer of the child's call; returns why the cluster must stop."""

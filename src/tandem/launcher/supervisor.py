@@ -55,6 +55,12 @@ def _die_with_parent_hook() -> Callable[[], None] | None:
     return functools.partial(die_with_parent, os.getpid())
 
 
+def is_healthy(role: str, status: int | None) -> bool:
+    """Whether a process's /health status (None: no answer) says it is up: a worker's 200, the
+    router's 200 or 503 (which it answers while no decode worker is in its pool)."""
+    return status == 200 or (role == "router" and status == 503)
+
+
 def _kill_group(process: subprocess.Popen[bytes], signum: int) -> None:
     try:
         os.killpg(process.pid, signum)
@@ -181,7 +187,7 @@ class Supervisor:
             status = client.get(child.plan.url + "/health", timeout=timeout_s).status_code
         except httpx.HTTPError:
             return False
-        return status == 200 or (child.plan.role == "router" and status == 503)
+        return is_healthy(child.plan.role, status)
 
     def _ended(self, child: Child, why: str) -> str | None:
         """Schedules the restart of a child that ended (`why`: how); returns why the cluster

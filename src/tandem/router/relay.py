@@ -109,7 +109,9 @@ class RelayResponse(Response):
         try:
             if start is not None:
                 headers = start.raw_headers()
-                await send({"type": "http.response.start", "status": 503, "headers": headers})
+                await send(
+                    {"type": "http.response.start", "status": start.status, "headers": headers}
+                )
             await send({"type": "http.response.body", "body": body, "more_body": False})
         except OSError:  # the client left meanwhile
             pass
