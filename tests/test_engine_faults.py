@@ -32,14 +32,15 @@ from tandem.server.main import ENGINE_DIED_EXIT_CODE
 from worker_fixtures import WorkerProcess, start_worker
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugins"
-ADMIT, UPDATE, STEP, CUDA, SLOW = 501, 502, 503, 504, 505  # the poisoned token ids
-FAULTS = f"admit:{ADMIT},update:{UPDATE},step:{STEP},cuda:{CUDA},slow:{SLOW}"
+ADMIT, UPDATE, STEP, CUDA, SLOW, HANG = 501, 502, 503, 504, 505, 506  # the poisoned token ids
+FAULTS = f"admit:{ADMIT},update:{UPDATE},step:{STEP},cuda:{CUDA},slow:{SLOW},hang:{HANG}"
 CHECKPOINT = "llama-gqa"
 WORKER_FLAGS = ("--num-kv-blocks", "256")
 PROMPT = [SLOW, *range(10, 40)]  # its steps take 20 ms or more (the plug-in's slow fault)
 LONG = 100  # max_tokens of a request still running while a test acts (2 s or more)
 BUSY = 900  # max_tokens of requests that keep an engine busy for 18 s or more
 TIMEOUT = httpx.Timeout(60.0)
+STEP_TIMEOUT_S = 3  # the execute-model timeout of the worker whose step hangs
 
 
 def body(prompt: list[int], max_tokens: int, **fields) -> dict:
@@ -47,9 +48,13 @@ def body(prompt: list[int], max_tokens: int, **fields) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, **greedy, **fields}
 
 
-def start_faulty_worker(log_dir: Path, model: str, *flags: str) -> WorkerProcess:
+def start_faulty_worker(
+    log_dir: Path, model: str, *flags: str, step_timeout_s: float | None = None
+) -> WorkerProcess:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TANDEM_TEST_FAULT", FAULTS)
+        if step_timeout_s is not None:
+            patch.setenv("TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(step_timeout_s))
         paths = [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")]
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
         return start_worker(log_dir, *WORKER_FLAGS, *flags, model=model)
@@ -63,6 +68,7 @@ def workers(tiny_checkpoints, tmp_path_factory) -> Iterator[dict[str, WorkerProc
     log_dir = tmp_path_factory.mktemp("engine-faults")
     names = ("faulty", "engine killed", "engine failed", "worker killed")
     started = {name: start_faulty_worker(log_dir, model) for name in names}
+    started["engine hung"] = start_faulty_worker(log_dir, model, step_timeout_s=STEP_TIMEOUT_S)
     try:
         for worker in started.values():
             worker.wait_healthy()
@@ -267,6 +273,28 @@ def test_a_cuda_error_ends_the_engine_and_the_worker(workers, client):
     assert wait_for_exit(worker, 10) == ENGINE_DIED_EXIT_CODE
     log = worker.log_tail(20000)
     assert "the engine cannot go on and exits: a CUDA error" in log, log
+
+
+def test_a_step_that_never_returns_ends_the_engine_and_the_worker(workers, client):
+    """A step that hangs (the runner's launch never returns, as a kernel that never ends) at the
+    execute-model timeout: the engine process ends with every thread's stack on stderr, a stream
+    in flight ends with a 503 error event, the hung request gets a 503, and the worker exits
+    with code 3 for its supervisor to restart it. Before, /health stayed 200 and both requests
+    waited for ever. An engine idle for longer than the timeout (since the module's start) and a
+    request that runs for longer are not ended: each call of a step is timed, nothing else."""
+    worker = workers["engine hung"]
+    url = worker.url
+    long_request = client.post(url + "/v1/completions", json=body(PROMPT, 200))  # 4 s or more
+    assert long_request.status_code == 200, long_request.text
+    chunks, hung = run_beside_a_stream(
+        client, url, lambda: client.post(url + "/v1/completions", json=body([HANG, *PROMPT], 4))
+    )
+    assert_server_error(hung, 503, "the engine process died; retry")
+    assert chunks[-1]["error"]["code"] == 503, chunks[-1]
+    assert wait_for_exit(worker, 10) == ENGINE_DIED_EXIT_CODE
+    log = worker.log_tail(100_000)
+    assert f"the engine's step has run for {STEP_TIMEOUT_S} s" in log, log
+    assert "in hang_forever" in log, log  # faulthandler's dump of the hung thread
 
 
 def test_the_engine_dies_with_its_worker_even_when_busy(workers, client):

@@ -7,6 +7,8 @@ raises on purpose for a request whose prompt holds that token id.
     cuda    that forward raises a CUDA error                         (the engine cannot go on)
     slow    each step of a batch that holds it first sleeps SLOW_STEP_S (a request that runs
             for as long as a test needs, whatever the machine's speed)
+    hang    the model runner's launch of a batch that holds it never returns (a kernel that
+            never ends)
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def parse_faults(value: str) -> dict[str, int]:
         where, _, token_id = item.partition(":")
         faults[where.strip()] = int(token_id)
     return faults
+
+
+def hang_forever() -> None:
+    while True:
+        time.sleep(60)
 
 
 def install(core_module, faults: dict[str, int]) -> None:
@@ -70,3 +77,14 @@ def install(core_module, faults: dict[str, int]) -> None:
             return launch(self, scheduler_output)
 
         executor_class.launch_model = failing_launch
+
+    if "hang" in faults:  # inside the executor's launch: where the execute-model timeout times
+        runner_class = importlib.import_module("tandem.executor.runner").ModelRunner
+        runner_launch = runner_class.launch
+
+        def hanging_launch(self, scheduler_output):
+            if any(faults["hang"] in item.prompt_token_ids for item in scheduler_output.requests):
+                hang_forever()
+            return runner_launch(self, scheduler_output)
+
+        runner_class.launch = hanging_launch

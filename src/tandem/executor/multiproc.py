@@ -27,7 +27,6 @@ sends the worker's process group); the ranks die with the engine core anyway.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
 import os
 import pickle
@@ -38,7 +37,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TypeVar
 
@@ -64,6 +63,7 @@ from tandem.executor.rank import (
     rank_device,
 )
 from tandem.executor.runner import KVCacheSpec
+from tandem.executor.step_watch import StepWatch
 from tandem.kv.connector.base import KVConnectorWorker
 from tandem.models.source import ModelSource
 
@@ -76,18 +76,13 @@ DEATH_GRACE_S = 1.0  # a step that raised: how long to wait for a rank's exit to
 # A rank died in the middle of rank 0's step, which is still running this long after (a step
 # fails at its next collective, gloo's or an aborted NCCL's): it waits on the GPU for ever.
 STUCK_STEP_EXIT_S = 30.0
-# One call of rank 0's step (its launch, or the wait for its output) still running this long
-# waits for a rank that will not answer, dead or not (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).
-STEP_TIMEOUT_ENV = "TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS"
-STEP_TIMEOUT_S = 300.0
-STEP_CHECK_S = 1.0  # how often the monitor looks at the step's age
 
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         size = config.tensor_parallel_size
         check_tensor_parallel(source.config, size, config.enable_expert_parallel)
-        step_timeout = step_timeout_s()
+        steps = StepWatch("a kernel or a collective waits for a rank that does not answer")
         self.size = size
         self.stopping = False
         self.encoder = msgspec.msgpack.Encoder()
@@ -109,7 +104,7 @@ class MultiprocExecutor(Executor):
             self.inputs.append(socket)
             arguments = (config, source, rank, address, input_address, reply_address)
             self.processes.append(start_rank(arguments))
-        self.monitor = RankMonitor(self.processes, step_timeout)
+        self.monitor = RankMonitor(self.processes, steps)
         # An executor dropped without shutdown() (an offline engine at the interpreter's exit)
         # still stops its ranks, the same way.
         self._finalizer = weakref.finalize(
@@ -161,7 +156,7 @@ class MultiprocExecutor(Executor):
         """call() as a part of rank 0's step, which a rank's death from here on arms the
         watchdog against; a rank found dead, before or by an exception, raises
         ExecutorFailedError."""
-        with self.monitor.step():
+        with self.monitor.steps.step():
             self.check_health()
             try:
                 return call()
@@ -236,55 +231,27 @@ def start_rank(arguments: tuple) -> subprocess.Popen:
     return process
 
 
-def step_timeout_s() -> float:
-    value = os.environ.get(STEP_TIMEOUT_ENV, "")
-    try:
-        timeout = float(value) if value else STEP_TIMEOUT_S
-    except ValueError:
-        timeout = 0.0
-    if not timeout > 0:
-        raise ValueError(f"{STEP_TIMEOUT_ENV} must be a number of seconds above 0, not {value!r}")
-    return timeout
-
-
 class RankMonitor:
     """A thread per rank process, waiting for it to exit: the first to exit, unless stopped
     first, sets `failure` and aborts the group's pending NCCL collectives; if rank 0 is in a
     step then, a watchdog ends this process unless the step returns within STUCK_STEP_EXIT_S.
-    One more thread ends this process, every thread's stack on stderr, when a call of the step
-    has run for `step_timeout_s` seconds."""
+    Rank 0's step runs within `steps.step()`, which also ends this process once one call of it
+    has run for the execute-model timeout (`step_watch`)."""
 
-    def __init__(self, processes: list[subprocess.Popen], step_timeout_s: float) -> None:
+    def __init__(self, processes: list[subprocess.Popen], steps: StepWatch) -> None:
         self.failure: str | None = None
         self.tp: TensorParallelGroup | None = None  # once joined
-        self.step_timeout_s = step_timeout_s
-        self._lock = threading.Lock()  # orders a step's start and end against a death
-        self._step_started: float | None = None  # when rank 0's step began; None between
-        self._watchdog = False
+        self.steps = steps
         self.stopped = threading.Event()
         for rank, process in enumerate(processes, start=1):
             threading.Thread(
                 target=self._watch, args=(rank, process), name=f"tp-rank{rank}-monitor",
                 daemon=True,
             ).start()  # fmt: skip
-        threading.Thread(target=self._watch_steps, name="tp-step-monitor", daemon=True).start()
 
     def stop(self) -> None:
         self.stopped.set()
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Rank 0's step runs within it; a step that returns, or raises, disarms the watchdog."""
-        with self._lock:
-            self._step_started = time.monotonic()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._step_started = None
-                if self._watchdog:
-                    faulthandler.cancel_dump_traceback_later()
-                    self._watchdog = False
+        self.steps.stop()
 
     def _watch(self, rank: int, process: subprocess.Popen) -> None:
         code = process.wait()
@@ -295,35 +262,15 @@ class RankMonitor:
             "engine cannot go on"
         )
         logger.critical("%s", self.failure)
-        with self._lock:
-            if self._step_started is not None:
-                logger.critical(
-                    "if the engine's step has not returned %.0f s after tensor-parallel rank %d "
-                    "died (a kernel on the GPU waits for it), this process ends, every thread's "
-                    "stack on stderr", STUCK_STEP_EXIT_S, rank,
-                )  # fmt: skip
-                faulthandler.dump_traceback_later(STUCK_STEP_EXIT_S, exit=True)
-                self._watchdog = True
+        if self.steps.exit_unless_the_step_returns(STUCK_STEP_EXIT_S):
+            logger.critical(
+                "if the engine's step has not returned %.0f s after tensor-parallel rank %d "
+                "died (a kernel on the GPU waits for it), this process ends, every thread's "
+                "stack on stderr", STUCK_STEP_EXIT_S, rank,
+            )  # fmt: skip
         tp = self.tp
         if tp is not None and tp.uses_nccl:
             tp.abort()  # NCCL would wait on the dead rank: fail what is pending
-
-    def _watch_steps(self) -> None:
-        while not self.stopped.wait(STEP_CHECK_S):
-            with self._lock:
-                if self._step_started is None or self._watchdog:
-                    continue
-                running_s = time.monotonic() - self._step_started
-                if running_s < self.step_timeout_s:
-                    continue
-                logger.critical(
-                    "the engine's step has run for %.0f s (%s=%g): a kernel or a collective "
-                    "waits for a tensor-parallel rank that does not answer; this process ends, "
-                    "every thread's stack on stderr", running_s, STEP_TIMEOUT_ENV,
-                    self.step_timeout_s,
-                )  # fmt: skip
-                faulthandler.dump_traceback(all_threads=True)
-                os._exit(1)
 
 
 def stop_ranks(

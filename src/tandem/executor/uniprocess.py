@@ -2,7 +2,8 @@
 
 The model is loaded when the executor is made; the runner (with the KV cache and CUDA graphs)
 once the engine core has sized the cache. The connector given to `initialize_kv_cache` is its
-worker side (the engine core keeps the scheduler side).
+worker side (the engine core keeps the scheduler side). Each call of a step runs under the
+execute-model timeout (`step_watch`): a step that never returns ends the process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tandem.engine.outputs import RunnerOutput, SchedulerOutput
 from tandem.executor.base import Executor
 from tandem.executor.runner import KVCacheSpec, ModelRunner, plan_kv_cache
 from tandem.executor.sampler import Sampler
+from tandem.executor.step_watch import StepWatch
 from tandem.kv.connector.base import KVConnectorWorker
 from tandem.models.base import CausalLM
 from tandem.models.loader import load_model
@@ -37,6 +39,7 @@ class UniprocessExecutor(Executor):
             config.seed,
         )
         self.runner: ModelRunner | None = None
+        self.steps = StepWatch("a kernel, or the device, does not return")
 
     def determine_kv_cache(self) -> KVCacheSpec:
         return plan_kv_cache(self.config, self.model)
@@ -61,7 +64,9 @@ class UniprocessExecutor(Executor):
         )
 
     def launch_model(self, scheduler_output: SchedulerOutput) -> Callable[[], RunnerOutput]:
-        return self.runner.launch(scheduler_output)
+        wait = self.steps.call(lambda: self.runner.launch(scheduler_output))
+        return lambda: self.steps.call(wait)
 
     def shutdown(self) -> None:
+        self.steps.stop()
         self.runner = None  # the KV cache and the graphs go with it
