@@ -266,3 +266,16 @@ def test_a_constraint_no_text_matches_is_refused_as_the_engine_takes_it(grammars
     with pytest.raises(UnsatisfiableConstraint, match="matches no text this model can write"):
         grammars.matcher(StructuredOutput(**fields), [])
     assert grammars.matcher(StructuredOutput(regex="[ab]+"), []).error is None
+
+
+def test_a_generate_that_raises_leaves_no_request_in_the_engine(llm):
+    """A batch whose second request's constraint matches nothing raises as that request is
+    added; the first, already in the engine, is taken out again: the next call answers as the
+    same request alone (before, that call met the leftover's outputs and raised KeyError)."""
+    prompt, plain = [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=6)
+    alone = llm.generate([prompt], plain)[0].outputs[0].token_ids
+    nothing = plain.with_updates(structured_output=StructuredOutput(regex=r"[^\x00-\U0010FFFF]"))
+    with pytest.raises(UnsatisfiableConstraint, match="matches no text this model can write"):
+        llm.generate([prompt, [9, 10, 11]], [plain, nothing])
+    assert not llm.core.has_work() and llm.core.kv_manager.num_used_blocks == 0
+    assert llm.generate([prompt], plain)[0].outputs[0].token_ids == alone

@@ -1,6 +1,8 @@
 """The offline API: `LLM(model=...).generate(prompts, params)` and `LLM.chat(messages, params)`.
 
 It runs the engine core in this process and steps it until every request it added finishes.
+A call that raises (a structured output no text matches, as its request is added; Ctrl-C) takes
+its requests out of the engine first: the next call finds none of them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from tandem import DEFAULT_MODEL
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.outputs import TokenLogprobs
-from tandem.engine.processor import InputProcessor, OutputProcessor
+from tandem.engine.processor import InputProcessor, OutputProcessor, SequenceDelta
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import tokenizer_json
 from tandem.models.source import load_tokenizer
@@ -99,28 +101,37 @@ class LLM:
             results[request_id] = RequestOutput(
                 request_id, text, token_ids, [CompletionOutput(i) for i in range(params.n)]
             )
-        order = [request_id for request_id, _ in batch]
-        for request_id, requests in batch:
-            for index, request in enumerate(requests):
-                self.outputs.add(request_id, request, index)
-                self.core.add_request(request)
-        while self.core.has_work():
-            deltas, stopped = self.outputs.process(self.core.step())
-            self.core.abort_requests(stopped)
-            for delta in deltas:
-                result = results[delta.request_id]
-                result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
-                output = result.outputs[delta.index]
-                output.text += delta.text
-                output.token_ids.extend(delta.token_ids)
-                if delta.logprobs:
-                    output.logprobs = (output.logprobs or []) + delta.logprobs
-                if delta.prompt_logprobs is not None:
-                    result.prompt_logprobs = delta.prompt_logprobs
-                if delta.finish_reason is not None:
-                    output.finish_reason = delta.finish_reason
-                    output.stop_reason = delta.stop_reason
-        return [results[request_id] for request_id in order]
+        child_ids = [request.request_id for _, requests in batch for request in requests]
+        try:
+            for request_id, requests in batch:
+                for index, request in enumerate(requests):
+                    self.outputs.add(request_id, request, index)
+                    self.core.add_request(request)  # raises for a constraint nothing matches
+            while self.core.has_work():
+                deltas, stopped = self.outputs.process(self.core.step())
+                self.core.abort_requests(stopped)
+                for delta in deltas:
+                    self._take(results[delta.request_id], delta)
+        except BaseException:  # nothing of this call is left to a later one (Ctrl-C included)
+            self.core.abort_requests(child_ids)
+            for child_id in child_ids:
+                self.outputs.discard(child_id)
+            raise
+        return [results[request_id] for request_id, _ in batch]
+
+    @staticmethod
+    def _take(result: RequestOutput, delta: SequenceDelta) -> None:
+        result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+        output = result.outputs[delta.index]
+        output.text += delta.text
+        output.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            output.logprobs = (output.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            result.prompt_logprobs = delta.prompt_logprobs
+        if delta.finish_reason is not None:
+            output.finish_reason = delta.finish_reason
+            output.stop_reason = delta.stop_reason
 
 
 def _broadcast(
