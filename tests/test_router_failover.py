@@ -8,7 +8,6 @@ the router is the real command.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -23,7 +22,6 @@ import httpx
 import pytest
 
 import tandem
-from tandem.router.relay import JSON_HEAD, SSE_HEAD, RelayResponse, ResponseHead
 from worker_fixtures import free_port
 
 SRC = str(Path(tandem.__file__).resolve().parents[1])
@@ -190,65 +188,7 @@ def test_a_prefill_worker_killed_mid_prefill_leaves_the_request_to_the_decode_wo
     client.close()
 
 
-# ---- a response cut by the server's shutdown deadline ----------------------------------------
-
-
-def cut_response(head: ResponseHead | None) -> list[dict]:
-    """What RelayResponse sends when its task is cancelled (uvicorn's graceful-shutdown
-    deadline) while its flow waits: after `head` and one chunk, or before any head (None)."""
-    closed = []
-
-    async def flow():
-        try:
-            if head is not None:
-                yield head
-                yield b"data: {}\n\n" if head is SSE_HEAD else b'{"partial'
-            await asyncio.Event().wait()
-            yield b"never"
-        finally:
-            closed.append(True)
-
-    async def run() -> list[dict]:
-        sent: list[dict] = []
-
-        async def receive() -> dict:  # the client stays
-            await asyncio.Event().wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        task = asyncio.create_task(RelayResponse(flow())({}, receive, send))
-        await asyncio.sleep(0.05)
-        expected = 0 if head is None else 2
-        assert len(sent) == expected, sent
-        task.cancel()
-        await task  # ended, not failed: the server logs no error
-        return sent[expected:]
-
-    ending = asyncio.run(run())
-    assert closed == [True]  # the flow's cleanup ran
-    return ending
-
-
-def test_a_stream_cut_at_shutdown_ends_with_an_error_event():
-    (last,) = cut_response(SSE_HEAD)
-    assert last["more_body"] is False
-    error, done = last["body"].split(b"\n\n")[:2]
-    assert done == b"data: [DONE]"
-    assert json.loads(error.removeprefix(b"data: "))["error"]["code"] == "router_shutting_down"
-
-
-def test_a_request_cut_before_its_answer_is_a_503():
-    start, body = cut_response(None)
-    assert start["type"] == "http.response.start" and start["status"] == 503
-    assert body["more_body"] is False
-    error = json.loads(body["body"])["error"]
-    assert error["code"] == "router_shutting_down" and "retry" in error["message"]
-
-
-def test_a_cut_json_answer_gets_nothing_more():
-    assert cut_response(JSON_HEAD) == []  # a half-sent JSON body cannot be ended well
+# ---- a response cut by the server's shutdown deadline (its ends: test_shutdown_cut.py) ------
 
 
 @pytest.mark.slow  # 12 s: the router's 10 s graceful shutdown; the cut's ends are tested above

@@ -4,9 +4,8 @@ A request's flow is an async generator that yields one `ResponseHead` and then b
 (bytes). `RelayResponse` sends the head only once the flow produced it, so a flow can still pick
 the status (relay a worker's 4xx, retry on another worker) until its first byte; and it watches
 the client connection the whole time: when the client goes away it cancels the flow wherever it
-is waiting (prefill leg, decode leg, between the two), and the flow's cleanup aborts both legs.
-A response the server cancels (its shutdown's deadline) ends in words: a 503 before its head, an
-error event and `[DONE]` in a stream (a whole JSON answer cut midway is left cut).
+is waiting (prefill leg, decode leg, between the two), and the flow's cleanup aborts both legs,
+as it does when the server cancels the response (its shutdown's deadline; `shutdown_cut`).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from starlette.types import Receive, Scope, Send
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 DONE_EVENT = b"data: [DONE]\n\n"
-SHUTTING_DOWN = "the router is shutting down and cut this request short; retry"
 
 
 @dataclass(frozen=True)
@@ -81,7 +79,6 @@ class RelayResponse(Response):
         self.flow = flow
         self.background = None
         self.status_code = 200
-        self.head_sent: ResponseHead | None = None
 
     async def _stream(self, send: Send) -> None:
         head = await anext(self.flow)
@@ -90,31 +87,10 @@ class RelayResponse(Response):
         await send(
             {"type": "http.response.start", "status": head.status, "headers": head.raw_headers()}
         )
-        self.head_sent = head
         async for chunk in self.flow:
             assert isinstance(chunk, bytes)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _end_cut(self, send: Send) -> None:
-        """Says to a client still there that its answer was cut: a 503 if nothing was sent yet,
-        an error event and [DONE] ending a stream."""
-        if self.head_sent is None:
-            start = ResponseHead(503, "application/json")
-            body = error_body(SHUTTING_DOWN, "server_error", "router_shutting_down")
-        elif self.head_sent.media_type.startswith("text/event-stream"):
-            start, body = None, error_event(SHUTTING_DOWN, "router_shutting_down")
-        else:
-            return
-        try:
-            if start is not None:
-                headers = start.raw_headers()
-                await send(
-                    {"type": "http.response.start", "status": start.status, "headers": headers}
-                )
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-        except OSError:  # the client left meanwhile
-            pass
 
     @staticmethod
     async def _wait_for_disconnect(receive: Receive) -> None:
@@ -124,18 +100,12 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.ensure_future(self._stream(send))
         disconnect = asyncio.ensure_future(self._wait_for_disconnect(receive))
-        cut = False
         try:
             await asyncio.wait((stream, disconnect), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # the server's shutdown deadline, the one canceller:
-            cut = True  # the answer is ended below, and so is the task (no error to log)
-        finally:
-            client_left = disconnect.done()
+        finally:  # a cancellation (the shutdown's deadline) too: `EndCutAnswers` ends the answer
             for task in (stream, disconnect):
                 task.cancel()
             await asyncio.gather(stream, disconnect, return_exceptions=True)
-            if cut and not client_left:
-                await self._end_cut(send)
             await self.flow.aclose()
         if stream.done() and not stream.cancelled():
             error = stream.exception()

@@ -2,10 +2,11 @@
 server, and (with --router) heartbeats.
 
 SIGTERM or SIGINT stop accepting connections, let in-flight responses finish for a short grace
-period, abort what is left, wait until the KV its prefills leased is collected (the KV port
-stays open; at most the grace period again), stop the engine process and exit 0. An engine process
-that dies makes the worker unhealthy at once (503s, in-flight requests included), and the worker
-exits with ENGINE_DIED_EXIT_CODE a moment later, for its supervisor to restart it.
+period, abort what is left (each answer ended in words: `tandem.shutdown_cut`), wait until the KV
+its prefills leased is collected (the KV port stays open; at most the grace period again), stop
+the engine process and exit 0. An engine process that dies makes the worker unhealthy at once
+(503s, in-flight requests included), and the worker exits with ENGINE_DIED_EXIT_CODE a moment
+later, for its supervisor to restart it.
 
 The HTTP server takes vLLM's server flags (`tandem.http_options`): a root path, TLS, one access
 line per request unless disabled, and uvicorn's log level.
@@ -32,11 +33,14 @@ from tandem.kv.config import KVTransferConfig
 from tandem.limits import body_limits_from_args, field_limits_from_args
 from tandem.server.app import build_app
 from tandem.server.engine_client import AsyncEngineClient, EngineStartError
+from tandem.server.openai.protocol import error_body
 from tandem.server.pd_client import DisaggregatedClient, place_engines
 from tandem.server.settings import ServerSettings
+from tandem.shutdown_cut import EndCutAnswers
 
 logger = logging.getLogger("tandem.worker")
 GRACEFUL_SHUTDOWN_S = 10
+SHUTTING_DOWN = "the server is shutting down and cut this request short; retry"
 ENGINE_DIED_EXIT_CODE = 3
 # between an engine's death and the exit: its requests' 503s go out, health checks see it
 ENGINE_DIED_EXIT_DELAY_S = 1.0
@@ -219,10 +223,11 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     app = build_app(client, settings)
     app.router.lifespan_context = lifespan
+    cut_ends = EndCutAnswers(app, error_body(SHUTTING_DOWN, 503)["error"])
     quiet_probes()
     server = uvicorn.Server(
         uvicorn.Config(
-            under_root_path(KeepAwake(app, config.busy_poll_seconds()), args.root_path),
+            under_root_path(KeepAwake(cut_ends, config.busy_poll_seconds()), args.root_path),
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
