@@ -121,12 +121,16 @@ def stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
+def needs(name: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(not installed(name), reason=f"{name} missing")
+
+
+# By default nixl's case: tcp's (22 s) and mooncake's (45 s) cross the loopback in
+# test_pd_tiny.py and test_kv_library_planes.py by default, and a namespace here when slow.
 TRANSPORTS = [
-    pytest.param("tcp", marks=pytest.mark.slow),  # 22 s; the libraries' cases run by default
-    *(
-        pytest.param(name, marks=pytest.mark.skipif(not installed(name), reason=f"{name} missing"))
-        for name in ("nixl", "mooncake")
-    ),
+    pytest.param("tcp", marks=pytest.mark.slow),
+    pytest.param("nixl", marks=needs("nixl")),
+    pytest.param("mooncake", marks=[needs("mooncake"), pytest.mark.slow]),
 ]
 
 

@@ -215,6 +215,7 @@ def decode_worker_of(launcher_pid: int) -> int:
     return decode
 
 
+@pytest.mark.slow  # 11 s; test_launcher_serve.py restarts a crashed worker by default
 def test_a_killed_decode_worker_comes_back(cluster):
     """As the OOM killer would: SIGKILL the decode worker of `tandem serve`. The launcher
     restarts it on its ports (it used to stop the whole cluster), the worker's engine core dies

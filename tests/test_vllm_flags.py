@@ -338,6 +338,7 @@ def kept_open_after(port: int, idle_s: float) -> bool:
         connection.close()
 
 
+@pytest.mark.slow  # 11 s of idle connections
 def test_idle_connections_outlive_client_pools_and_close_after_the_flags_time(tmp_path):
     """A router keeps an idle connection past the 5 s after which httpx (the openai client)
     drops it from its pool, so it never closes one under a request sent on it; with
