@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -393,3 +394,15 @@ def test_a_cuda_error_ends_the_engine_at_once(core):
         core.step()
     assert [o.finish_reason for o in failure.value.outputs] == ["error"]
     assert core.kv_manager.num_used_blocks == 0
+
+
+def test_a_one_rank_engine_on_the_cpu_times_its_steps_only_when_asked(core, monkeypatch):
+    """A large model's step on the CPU can take minutes: no execute-model timeout there unless
+    TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS is set (on a GPU, and at any TP size, always)."""
+    assert core.executor.steps is None
+    monkeypatch.setenv("TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7")
+    timed = EngineCore(replace(core.config))
+    try:
+        assert timed.executor.steps.timeout_s == 7.0
+    finally:
+        timed.shutdown()

@@ -2,12 +2,15 @@
 
 The model is loaded when the executor is made; the runner (with the KV cache and CUDA graphs)
 once the engine core has sized the cache. The connector given to `initialize_kv_cache` is its
-worker side (the engine core keeps the scheduler side). Each call of a step runs under the
-execute-model timeout (`step_watch`): a step that never returns ends the process.
+worker side (the engine core keeps the scheduler side). On a GPU each call of a step runs under
+the execute-model timeout (`step_watch`): a step that never returns ends the process. On the CPU
+only when TANDEM_EXECUTE_MODEL_TIMEOUT_SECONDS is set: a large model's step there can take
+minutes, and no kernel waits on a device.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -18,7 +21,7 @@ from tandem.engine.outputs import RunnerOutput, SchedulerOutput
 from tandem.executor.base import Executor
 from tandem.executor.runner import KVCacheSpec, ModelRunner, plan_kv_cache
 from tandem.executor.sampler import Sampler
-from tandem.executor.step_watch import StepWatch
+from tandem.executor.step_watch import STEP_TIMEOUT_ENV, StepWatch
 from tandem.kv.connector.base import KVConnectorWorker
 from tandem.models.base import CausalLM
 from tandem.models.loader import load_model
@@ -30,6 +33,8 @@ class UniprocessExecutor(Executor):
         self.config = config
         self.source = source
         self.device = torch.device(config.device)
+        timed = self.device.type == "cuda" or STEP_TIMEOUT_ENV in os.environ
+        self.steps = StepWatch("a kernel, or the device, does not return") if timed else None
         self.model: CausalLM = load_model(
             source,
             get_backend(config.attention_backend),
@@ -39,7 +44,6 @@ class UniprocessExecutor(Executor):
             config.seed,
         )
         self.runner: ModelRunner | None = None
-        self.steps = StepWatch("a kernel, or the device, does not return")
 
     def determine_kv_cache(self) -> KVCacheSpec:
         return plan_kv_cache(self.config, self.model)
@@ -64,9 +68,12 @@ class UniprocessExecutor(Executor):
         )
 
     def launch_model(self, scheduler_output: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        if self.steps is None:
+            return self.runner.launch(scheduler_output)
         wait = self.steps.call(lambda: self.runner.launch(scheduler_output))
         return lambda: self.steps.call(wait)
 
     def shutdown(self) -> None:
-        self.steps.stop()
+        if self.steps is not None:
+            self.steps.stop()
         self.runner = None  # the KV cache and the graphs go with it
