@@ -1,21 +1,35 @@
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-# The test files that take longest on two cores (1 to 3 minutes each), longest first. `make test`
+# pytest-xdist's processes share the machine's cores: each, and what it starts, runs torch with
+# its share of them (one each on two cores and two processes), as the workers that the tests
+# start do (worker_fixtures). Thread pools contending for the cores made the suite slower.
+if num_processes := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_processes)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if num_processes:  # had a plug-in imported torch already
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# The test files that take longest on two cores (1 to 3 minutes each), longest first (from
+# `--durations=0`). `make test`
 # hands files to its two processes in collection order (--no-loadscope-reorder), so these start
 # first and the short ones fill in after, instead of one of these starting last while the other
 # process idles.
 LONGEST_FILES = (
     "test_server_openai.py",
-    "test_serve_cluster.py",
+    "test_pd_default_model.py",
+    "test_pd_one_server.py",
     "test_pd_tensor_parallel.py",
     "test_kv_library_planes.py",
-    "test_pd_one_server.py",
-    "test_launcher_serve.py",
     "test_ray_cluster.py",
-    "test_pd_default_model.py",
+    "test_pd_failures.py",
+    "test_deepseek.py",
+    "test_launcher_serve.py",
+    "test_serve_cluster.py",
 )
 
 
