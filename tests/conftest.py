@@ -14,11 +14,10 @@ import torch  # noqa: E402
 if num_processes:  # had a plug-in imported torch already
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# The test files that take longest on two cores (1 to 3 minutes each), longest first (from
-# `--durations=0`). `make test`
-# hands files to its two processes in collection order (--no-loadscope-reorder), so these start
-# first and the short ones fill in after, instead of one of these starting last while the other
-# process idles.
+# The test files that take longest on two cores (1 to 3 minutes each, `--durations=0`), longest
+# first. `make test` hands files to its two processes in collection order
+# (--no-loadscope-reorder), so these start first and the short ones fill in after, instead of
+# one of these starting last while the other process idles.
 LONGEST_FILES = (
     "test_server_openai.py",
     "test_pd_default_model.py",
