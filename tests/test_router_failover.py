@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 import tandem
-from worker_fixtures import free_port
+from worker_fixtures import free_port, sse_payloads_across_a_sigterm
 
 SRC = str(Path(tandem.__file__).resolve().parents[1])
 TESTS = Path(__file__).resolve().parent  # fake_worker.py
@@ -204,22 +204,7 @@ def test_streams_still_running_when_the_router_stops_end_with_an_error_event(spa
     client = httpx.Client(timeout=30)
     wait_for(lambda: both_workers_healthy(client, router_url), timeout=20)
     body = {"prompt": "a b", "max_tokens": 1000, "stream": True}
-    lines: list[str] = []
-    started = threading.Event()
-
-    def read_stream() -> None:
-        with client.stream("POST", router_url + "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                lines.append(line)
-                started.set()
-
-    reader = threading.Thread(target=read_stream)
-    reader.start()
-    assert started.wait(timeout=10)
-    router.send_signal(signal.SIGTERM)
-    reader.join(timeout=20)
-    assert not reader.is_alive()
-    payloads = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    payloads = sse_payloads_across_a_sigterm(router_url + "/v1/completions", body, router, 20)
     assert payloads[-1] == "[DONE]"
     assert json.loads(payloads[-2])["error"]["code"] == "router_shutting_down"
     router.wait(timeout=10)

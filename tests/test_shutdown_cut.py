@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import httpx
 import pytest
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -22,7 +19,7 @@ from tandem.server.main import GRACEFUL_SHUTDOWN_S
 from tandem.server.main import SHUTTING_DOWN as WORKER_CUT
 from tandem.server.openai.protocol import error_body
 from tandem.shutdown_cut import EndCutAnswers
-from worker_fixtures import start_worker
+from worker_fixtures import sse_payloads_across_a_sigterm, start_worker
 
 HTTP_SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
 
@@ -153,22 +150,9 @@ def test_a_stream_still_running_when_its_worker_stops_ends_with_an_error_event(
             "stream": True,
             "return_token_ids": True,
         }
-        lines: list[str] = []
-        started = threading.Event()
-
-        def read_stream() -> None:
-            with httpx.stream("POST", worker.url + "/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    lines.append(line)
-                    started.set()
-
-        reader = threading.Thread(target=read_stream)
-        reader.start()
-        assert started.wait(timeout=30)
-        worker.process.send_signal(signal.SIGTERM)
-        reader.join(timeout=GRACEFUL_SHUTDOWN_S + 20)
-        assert not reader.is_alive()
-        payloads = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        url = worker.url + "/v1/completions"
+        wait_s = GRACEFUL_SHUTDOWN_S + 20
+        payloads = sse_payloads_across_a_sigterm(url, body, worker.process, wait_s)
         assert payloads[-1] == "[DONE]"
         assert json.loads(payloads[-2])["error"]["message"] == WORKER_CUT, payloads[-2]
         assert worker.process.wait(timeout=30) == 0

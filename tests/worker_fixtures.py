@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -193,3 +194,26 @@ def wait_for_metric(url: str, name: str, expected: float, timeout: float = 10.0)
         if value == expected or time.monotonic() > deadline:
             return value
         time.sleep(0.1)
+
+
+def sse_payloads_across_a_sigterm(
+    url: str, body: dict, server: subprocess.Popen, end_within_s: float
+) -> list[str]:
+    """POST a streamed `body` to url; once its first line is in, SIGTERM `server`; the data
+    payloads of the whole stream, which must have ended within end_within_s."""
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read_stream() -> None:
+        with httpx.stream("POST", url, json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                started.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert started.wait(timeout=30), "the stream did not start"
+    server.send_signal(signal.SIGTERM)
+    reader.join(timeout=end_within_s)
+    assert not reader.is_alive(), f"the stream did not end within {end_within_s} s"
+    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
