@@ -240,8 +240,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--stop-timeout",
         type=float,
-        default=10.0,
-        help="seconds a process gets to exit after SIGTERM before SIGKILL",
+        default=30.0,
+        help="seconds a process gets to exit after SIGTERM before SIGKILL (default 30: a "
+        "worker's own stop takes up to 10 s for its answers and 10 s for its KV leases)",
     )
     parser.set_defaults(func=run, worker_flags=add_worker_flags(parser))
 
