@@ -11,9 +11,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 
-def tandem_process(log: Path, *args: str) -> subprocess.Popen:
-    """`python -m tandem.cli ARGS` in its own session (a group to signal), output to `log`."""
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+def tandem_process(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m tandem.cli ARGS` in its own session (a group to signal), output to `log`;
+    `env` adds to or replaces variables of its environment."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log, "wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", *args],

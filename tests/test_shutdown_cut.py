@@ -7,21 +7,36 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 from starlette.responses import JSONResponse, StreamingResponse
 
+from process_tree import SRC, alive, descendants, tandem_process
 from tandem.router.cli import SHUTTING_DOWN as ROUTER_CUT
 from tandem.router.relay import JSON_HEAD, SSE_HEAD, RelayResponse, ResponseHead
 from tandem.server.main import GRACEFUL_SHUTDOWN_S
 from tandem.server.main import SHUTTING_DOWN as WORKER_CUT
 from tandem.server.openai.protocol import error_body
 from tandem.shutdown_cut import EndCutAnswers
-from worker_fixtures import sse_payloads_across_a_sigterm, start_worker
+from worker_fixtures import free_port, sse_payloads_across_a_sigterm, start_worker
 
 HTTP_SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+# A 20 s stream of the tiny model: the fault plug-in sleeps 20 ms in each step of this prompt.
+PLUGINS = Path(__file__).resolve().parent / "fault_plugins"
+SLOW_TOKEN = 505
+SLOW_FAULT = {"TANDEM_TEST_FAULT": f"slow:{SLOW_TOKEN}"}
+SLOW_STREAM = {
+    "prompt": [SLOW_TOKEN, 1, 2, 3],
+    "max_tokens": 1000,
+    "stream": True,
+    "return_token_ids": True,
+}
 
 
 def cut(app, error: dict, sent_before_cut: int, client_leaves: bool = False) -> list[dict]:
@@ -137,25 +152,52 @@ def test_a_stream_still_running_when_its_worker_stops_ends_with_an_error_event(
     """SIGTERM to a worker streaming a 20 s answer (the fault plug-in's slow prompt, 20 ms a
     step): after its 10 s grace the stream ends with the error event and [DONE], and the worker
     exits 0 with no traceback in its log."""
-    slow = 505
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TANDEM_TEST_FAULT", f"slow:{slow}")
-        patch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent / "fault_plugins"))
+        patch.setenv("PYTHONPATH", str(PLUGINS))
+        for name, value in SLOW_FAULT.items():
+            patch.setenv(name, value)
         worker = start_worker(tmp_path, model=str(tiny_checkpoints["llama-gqa"]))
     try:
         worker.wait_healthy()
-        body = {
-            "prompt": [slow, 1, 2, 3],
-            "max_tokens": 1000,
-            "stream": True,
-            "return_token_ids": True,
-        }
         url = worker.url + "/v1/completions"
         wait_s = GRACEFUL_SHUTDOWN_S + 20
-        payloads = sse_payloads_across_a_sigterm(url, body, worker.process, wait_s)
+        payloads = sse_payloads_across_a_sigterm(url, SLOW_STREAM, worker.process, wait_s)
         assert payloads[-1] == "[DONE]"
         assert json.loads(payloads[-2])["error"]["message"] == WORKER_CUT, payloads[-2]
         assert worker.process.wait(timeout=30) == 0
         assert "Traceback" not in worker.log_tail(100_000)
     finally:
         worker.stop()
+
+
+@pytest.mark.slow  # about 35 s: the router's 10 s grace, then the worker's
+def test_a_stream_from_a_worker_of_tandem_serve_ends_in_words_when_serve_stops(
+    tiny_checkpoints, tmp_path
+):
+    """Ctrl-C to `tandem serve` (its default --stop-timeout) while a client streams a 20 s
+    answer straight from its decode worker (the fault plug-in's slow prompt): the router stops
+    first, then the worker's grace runs out and the stream ends with its error event and [DONE]
+    (with the old 10 s stop timeout the launcher's SIGKILL came first and broke it); the
+    launcher exits 0 and no process is left."""
+    env = {"PYTHONPATH": os.pathsep.join([str(SRC), str(PLUGINS)]), **SLOW_FAULT}
+    model, port, log = str(tiny_checkpoints["llama-gqa"]), free_port(), tmp_path / "serve.log"
+    args = ("serve", "--model", model, "--port", str(port), "--device", "cpu")
+    launcher = tandem_process(log, *args, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while "tandem serve: ready" not in log.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        (decode_url,) = re.findall(r"worker ready on (\S+) \(role decode\)", log.read_text())
+        children = descendants(launcher.pid)
+        url, wait_s = decode_url + "/v1/completions", 2 * GRACEFUL_SHUTDOWN_S + 20
+        payloads = sse_payloads_across_a_sigterm(url, SLOW_STREAM, launcher, wait_s, signal.SIGINT)
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["error"]["message"] == WORKER_CUT, payloads[-2]
+        assert launcher.wait(timeout=60) == 0
+        assert not any(alive(pid) for pid in children)
+        assert "Traceback" not in log.read_text()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()

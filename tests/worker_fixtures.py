@@ -197,10 +197,15 @@ def wait_for_metric(url: str, name: str, expected: float, timeout: float = 10.0)
 
 
 def sse_payloads_across_a_sigterm(
-    url: str, body: dict, server: subprocess.Popen, end_within_s: float
+    url: str,
+    body: dict,
+    server: subprocess.Popen,
+    end_within_s: float,
+    signum: int = signal.SIGTERM,
 ) -> list[str]:
-    """POST a streamed `body` to url; once its first line is in, SIGTERM `server`; the data
-    payloads of the whole stream, which must have ended within end_within_s."""
+    """POST a streamed `body` to url; once its first line is in, send `server` SIGTERM (or
+    `signum`); the data payloads of the whole stream, which must have ended within
+    end_within_s."""
     lines: list[str] = []
     started = threading.Event()
 
@@ -213,7 +218,7 @@ def sse_payloads_across_a_sigterm(
     reader = threading.Thread(target=read_stream)
     reader.start()
     assert started.wait(timeout=30), "the stream did not start"
-    server.send_signal(signal.SIGTERM)
+    server.send_signal(signum)
     reader.join(timeout=end_within_s)
     assert not reader.is_alive(), f"the stream did not end within {end_within_s} s"
     return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
