@@ -182,9 +182,11 @@ class Supervisor:
         child.started_at = time.monotonic()
         child.healthy_since = None
 
-    def _answers(self, client: httpx.Client, child: Child, timeout_s: float = 0.5) -> bool:
+    def _answers(self, client: httpx.Client, child: Child, timeout_s: float | None = None) -> bool:
+        """Whether the child's /health says it is up, within timeout_s (else the client's)."""
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
         try:
-            status = client.get(child.plan.url + "/health", timeout=timeout_s).status_code
+            status = client.get(child.plan.url + "/health", timeout=timeout).status_code
         except httpx.HTTPError:
             return False
         return is_healthy(child.plan.role, status)
