@@ -15,11 +15,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from msgspec.json import encode
 from starlette.responses import JSONResponse, StreamingResponse
 
 from process_tree import SRC, alive, descendants, tandem_process
 from tandem.router.cli import SHUTTING_DOWN as ROUTER_CUT
 from tandem.router.relay import JSON_HEAD, SSE_HEAD, RelayResponse, ResponseHead
+from tandem.router.relay import error_body as router_error_body
 from tandem.server.main import GRACEFUL_SHUTDOWN_S
 from tandem.server.main import SHUTTING_DOWN as WORKER_CUT
 from tandem.server.openai.protocol import error_body
@@ -39,9 +41,9 @@ SLOW_STREAM = {
 }
 
 
-def cut(app, error: dict, sent_before_cut: int, client_leaves: bool = False) -> list[dict]:
-    """What `EndCutAnswers(app, error)` sends after its task is cancelled once the app has sent
-    `sent_before_cut` messages (the client stays, or left just before)."""
+def cut(app, error: bytes, sent_before_cut: int, client_leaves: bool = False) -> list[dict]:
+    """What `EndCutAnswers(app, error)` (an error body) sends after its task is cancelled once
+    the app has sent `sent_before_cut` messages (the client stays, or left just before)."""
 
     async def run() -> list[dict]:
         sent: list[dict] = []
@@ -106,11 +108,12 @@ def ended_before_head(ending: list[dict]) -> dict:
 
 def test_the_routers_cut_answers_end_in_words_and_its_flows_clean_up():
     closed: list[bool] = []
-    (last,) = cut(relay(SSE_HEAD, closed), ROUTER_CUT, 2)
+    router_cut = router_error_body(ROUTER_CUT, "server_error", "router_shutting_down")
+    (last,) = cut(relay(SSE_HEAD, closed), router_cut, 2)
     assert ended_stream(last)["code"] == "router_shutting_down"
-    error = ended_before_head(cut(relay(None, closed), ROUTER_CUT, 0))
+    error = ended_before_head(cut(relay(None, closed), router_cut, 0))
     assert error["code"] == "router_shutting_down" and "retry" in error["message"]
-    assert cut(relay(JSON_HEAD, closed), ROUTER_CUT, 2) == []  # a half-sent JSON: left cut
+    assert cut(relay(JSON_HEAD, closed), router_cut, 2) == []  # a half-sent JSON: left cut
     assert closed == [True] * 3  # every flow's cleanup ran (it aborts the legs)
 
 
@@ -119,7 +122,7 @@ def test_a_workers_cut_stream_ends_with_an_error_event():
     task group under ASGI 2.3, uvicorn's)."""
     worker_error = error_body(WORKER_CUT, 503)["error"]
     stream = StreamingResponse(waits_after_one_event(), media_type="text/event-stream")
-    (last,) = cut(stream, worker_error, 2)
+    (last,) = cut(stream, encode({"error": worker_error}), 2)
     assert ended_stream(last) == worker_error
     assert worker_error["code"] == 503 and "retry" in worker_error["message"]
 
@@ -140,9 +143,10 @@ def endpoint(wait: Callable[[], object]):
 
 def test_a_workers_answer_not_begun_is_a_503_and_a_client_gone_gets_nothing():
     worker_error = error_body(WORKER_CUT, 503)["error"]
-    assert ended_before_head(cut(endpoint(never), worker_error, 0)) == worker_error
+    worker_cut = encode({"error": worker_error})
+    assert ended_before_head(cut(endpoint(never), worker_cut, 0)) == worker_error
     stream = StreamingResponse(waits_after_one_event(), media_type="text/event-stream")
-    assert cut(stream, worker_error, 2, client_leaves=True) == []
+    assert cut(stream, worker_cut, 2, client_leaves=True) == []
 
 
 @pytest.mark.slow  # the worker's 10 s graceful shutdown; the ends themselves are tested above

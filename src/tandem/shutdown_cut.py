@@ -4,7 +4,7 @@ On SIGTERM uvicorn gives the requests in flight a grace period, then cancels the
 stream would stop mid-answer and a request not answered yet would lose its connection with no
 answer. `EndCutAnswers` wraps an ASGI app (the router's, a worker's). A request whose task is
 cancelled (the deadline: nothing else in these servers cancels a request's task) ends, for a
-client still there, with a 503 and the given error object if no byte of its answer was sent, or
+client still there, with a 503 and the given error body if no byte of its answer was sent, or
 with that error as an event and `[DONE]` in a stream; a JSON answer already begun is left cut,
 since it cannot be ended well. The task then ends normally: no cancellation traceback in the log.
 What the app cleans up on cancellation (aborting the request's engine work, a relay's legs) runs
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,14 +22,13 @@ SSE_MEDIA_TYPE = b"text/event-stream"
 
 
 class EndCutAnswers:
-    """ASGI middleware: an answer the server's shutdown cuts ends with `error` (OpenAI's error
-    object) as described above."""
+    """ASGI middleware: an answer the server's shutdown cuts ends with `error_body` (the JSON of
+    `{"error": <OpenAI's error object>}`) as described above."""
 
-    def __init__(self, app: ASGIApp, error: dict[str, Any]) -> None:
+    def __init__(self, app: ASGIApp, error_body: bytes) -> None:
         self.app = app
-        body = json.dumps({"error": error}, separators=(",", ":")).encode()
-        self.error_body = body
-        self.error_events = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+        self.error_body = error_body
+        self.error_events = b"data: " + error_body + b"\n\ndata: [DONE]\n\n"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

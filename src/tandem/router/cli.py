@@ -27,12 +27,7 @@ DEFAULTS = RouterConfig()
 # what the router's responses get to finish once it is told to stop: a worker's grace
 GRACEFUL_SHUTDOWN_S = 10
 # what ends an answer that the graceful shutdown's deadline cuts (`tandem.shutdown_cut`)
-SHUTTING_DOWN = {
-    "message": "the router is shutting down and cut this request short; retry",
-    "type": "server_error",
-    "param": None,
-    "code": "router_shutting_down",
-}
+SHUTTING_DOWN = "the router is shutting down and cut this request short; retry"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -290,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.http_options import quiet_probes, under_root_path, uvicorn_options
     from tandem.keep_awake import KeepAwake
     from tandem.router.app import create_app
+    from tandem.router.relay import error_body
     from tandem.shutdown_cut import EndCutAnswers
 
     check_http_args(args, "router")
@@ -298,7 +294,8 @@ def run(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     quiet_probes()
-    app = EndCutAnswers(create_app(config), SHUTTING_DOWN)
+    cut_ending = error_body(SHUTTING_DOWN, "server_error", "router_shutting_down")
+    app = EndCutAnswers(create_app(config), cut_ending)
     uvicorn.run(
         under_root_path(KeepAwake(app, config.busy_poll_s), args.root_path),
         host=config.host,

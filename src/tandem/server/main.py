@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import uvicorn
 
 from tandem.engine.config import EngineConfig
@@ -223,7 +224,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     app = build_app(client, settings)
     app.router.lifespan_context = lifespan
-    cut_ends = EndCutAnswers(app, error_body(SHUTTING_DOWN, 503)["error"])
+    cut_ends = EndCutAnswers(app, msgspec.json.encode(error_body(SHUTTING_DOWN, 503)))
     quiet_probes()
     server = uvicorn.Server(
         uvicorn.Config(
